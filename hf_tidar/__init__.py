@@ -1,0 +1,25 @@
+"""hf_tidar: TiDAR and CDLM decoding for Llama / Qwen checkpoints, as a transformers plugin.
+
+Importing the package registers the ``tidar`` model type with ``AutoConfig`` and
+``AutoModelForCausalLM``, so saved TiDAR models load through the Auto classes.
+"""
+
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from .configuration import SUPPORTED_BACKBONES, TidarConfig
+from .generation import StrategyGenerateOutput
+from .modeling import TidarCausalLMOutput, TidarForCausalLM
+
+__version__ = "0.1.0"
+
+AutoConfig.register(TidarConfig.model_type, TidarConfig, exist_ok=True)
+AutoModelForCausalLM.register(TidarConfig, TidarForCausalLM, exist_ok=True)
+
+__all__ = [
+    "SUPPORTED_BACKBONES",
+    "StrategyGenerateOutput",
+    "TidarCausalLMOutput",
+    "TidarConfig",
+    "TidarForCausalLM",
+    "__version__",
+]

@@ -1,0 +1,53 @@
+"""Configurations: a nested backbone config (Llama / Qwen2 / Qwen3) plus the method's own fields."""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers import AutoConfig, PreTrainedConfig
+from transformers.configuration_utils import SubConfigSpec
+
+SUPPORTED_BACKBONES = ("llama", "qwen2", "qwen3")
+"""Backbone ``model_type``s we wrap: pure-attention decoders whose KV cache can be rolled back."""
+
+
+def check_backbone_type(model_type: str | None) -> None:
+    """Raise a ``ValueError`` naming the supported backbones if ``model_type`` is not one of them."""
+    if model_type not in SUPPORTED_BACKBONES:
+        raise ValueError(
+            f"Backbone model_type {model_type!r} is not supported. hf_tidar wraps pure-attention decoders "
+            f"whose KV cache can be rolled back: {', '.join(SUPPORTED_BACKBONES)}."
+        )
+
+
+@strict
+class TidarConfig(PreTrainedConfig):
+    """Configuration of a TiDAR model: an unchanged AR backbone plus the drafting fields.
+
+    The backbone lives in ``text_config`` (transformers' convention for nested language-model configs,
+    so ``config.get_text_config()`` and everything built on it resolves it).
+
+    Args:
+        text_config: the backbone's config (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``) or its dict.
+        block_size: diffusion block size ``B`` used in training; the default draft length ``k`` at inference.
+        mask_token_id: id of the ``[MASK]`` token whose embedding the draft slots take as input.
+        ar_loss_weight: ``alpha`` in ``L = (alpha * L_AR + L_Diff) / (1 + alpha)``.
+    """
+
+    model_type = "tidar"
+    sub_configs_defaults = {"text_config": SubConfigSpec(config_class=AutoConfig, model_type="llama")}
+
+    text_config: dict | PreTrainedConfig | None = None
+    block_size: int = 8
+    mask_token_id: int | None = None
+    ar_loss_weight: float = 1.0
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        check_backbone_type(self.text_config.model_type)
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}.")
+        if self.ar_loss_weight < 0:
+            raise ValueError(f"ar_loss_weight (alpha) must be >= 0, got {self.ar_loss_weight}.")
+        # The backbone decides whether the LM head is tied to the input embeddings.
+        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))

@@ -1,0 +1,149 @@
+"""Routing of ``generate(strategy=...)`` through transformers' own ``generate``.
+
+transformers has no registry of decoding modes, but ``generate(custom_generate=callable)`` runs a
+callable in place of its loop after doing all the usual preparation (generation config, logits
+processors, stopping criteria, special tokens). Each strategy is such a callable; this mixin picks
+it, rejects options the strategy cannot honour, and leaves ``strategy="ar"`` to HF's own loop.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from transformers import LogitsProcessorList
+from transformers.generation.configuration_utils import GenerationMode
+
+from .outputs import StrategyGenerateOutput
+from .processors import MaskTokenSuppressor
+
+DEFAULT_STRATEGY = "ar"
+
+
+def _strategy_loops() -> dict[str, Callable]:
+    from .tidar import tidar_decode
+
+    return {"tidar": tidar_decode}
+
+
+class StrategyGenerationMixin:
+    """Adds ``strategy=`` to ``generate``. Mix in before ``GenerationMixin``.
+
+    Subclasses list what they support in ``supported_strategies`` and must provide
+    ``require_mask_token_id()``.
+    """
+
+    supported_strategies: tuple[str, ...] = (DEFAULT_STRATEGY,)
+    #: generation modes (transformers' ``GenerationMode``) each non-AR strategy can honour
+    strategy_generation_modes: tuple[GenerationMode, ...] = (GenerationMode.GREEDY_SEARCH,)
+
+    def generate(
+        self,
+        inputs: torch.Tensor | None = None,
+        generation_config=None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria=None,
+        strategy: str | None = None,
+        **kwargs,
+    ):
+        """``GenerationMixin.generate`` with a ``strategy`` argument.
+
+        Args:
+            strategy: one of ``supported_strategies``; ``"ar"`` (default) is transformers' own loop
+                on the same weights. A ``strategy`` attribute of the generation config sets the
+                model's default.
+            Everything else is ``GenerationMixin.generate``'s.
+
+        Raises:
+            ValueError: unknown or unsupported strategy, an option the strategy cannot honour, or a
+                prompt that does not fit the model's positions.
+        """
+        strategy = self._resolve_strategy(strategy, generation_config)
+        input_ids = inputs if inputs is not None else kwargs.get("input_ids")
+        self._check_prompt_fits(input_ids)
+        mask_id = self.require_mask_token_id()
+        logits_processor = LogitsProcessorList([*(logits_processor or []), MaskTokenSuppressor(mask_id)])
+
+        if kwargs.get("max_new_tokens") == 0 and input_ids is not None:
+            return self._prompt_only(input_ids, generation_config, kwargs)
+        if strategy == DEFAULT_STRATEGY:
+            return super().generate(
+                inputs,
+                generation_config=generation_config,
+                logits_processor=logits_processor,
+                stopping_criteria=stopping_criteria,
+                **kwargs,
+            )
+        self._check_strategy_options(strategy, generation_config, input_ids, kwargs)
+        loop = functools.partial(_strategy_loops()[strategy], streamer=kwargs.pop("streamer", None))
+        return super().generate(
+            inputs,
+            generation_config=generation_config,
+            logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria,
+            custom_generate=loop,
+            **kwargs,
+        )
+
+    # -- checks -----------------------------------------------------------------------------------
+
+    def _resolve_strategy(self, strategy: str | None, generation_config) -> str:
+        if strategy is None:
+            for config in (generation_config, self.generation_config):
+                strategy = getattr(config, "strategy", None) if config is not None else None
+                if strategy is not None:
+                    break
+        strategy = strategy or DEFAULT_STRATEGY
+        if strategy not in self.supported_strategies:
+            raise ValueError(
+                f"Unknown or unsupported strategy {strategy!r} for {type(self).__name__}. "
+                f"Supported: {', '.join(repr(s) for s in self.supported_strategies)}."
+            )
+        return strategy
+
+    def _check_prompt_fits(self, input_ids: torch.Tensor | None) -> None:
+        max_positions = getattr(self.config.get_text_config(), "max_position_embeddings", None)
+        if input_ids is not None and max_positions is not None and input_ids.shape[-1] >= max_positions:
+            raise ValueError(
+                f"The prompt has {input_ids.shape[-1]} tokens but the model has {max_positions} positions; "
+                "shorten (truncate) the prompt so that it leaves room for new tokens."
+            )
+
+    def _check_strategy_options(self, strategy: str, generation_config, input_ids, kwargs: dict) -> None:
+        config, _ = self._prepare_generation_config(generation_config, **dict(kwargs))
+        mode = config.get_generation_mode(kwargs.get("assistant_model"))
+        if mode not in self.strategy_generation_modes:
+            allowed = ", ".join(m.value for m in self.strategy_generation_modes)
+            raise ValueError(
+                f"strategy={strategy!r} cannot run generation mode {mode.value!r} "
+                f"(num_beams={config.num_beams}, do_sample={config.do_sample}, assistant/prompt lookup, ...). "
+                f"It supports: {allowed}. Use strategy='ar' for other modes."
+            )
+        if (config.num_return_sequences or 1) > 1:
+            raise ValueError(f"strategy={strategy!r} does not support num_return_sequences > 1.")
+        if config.output_attentions or config.output_hidden_states:
+            raise ValueError(
+                f"strategy={strategy!r} cannot return attentions or hidden states (its forward passes mix "
+                "draft and mask tokens); use strategy='ar' for those."
+            )
+        if input_ids is not None and input_ids.shape[0] > 1:
+            raise ValueError(
+                f"strategy={strategy!r} supports batch size 1 for now, got {input_ids.shape[0]} rows. "
+                "Generate the rows one at a time."
+            )
+
+    def _prompt_only(self, input_ids: torch.Tensor, generation_config, kwargs: dict):
+        """What ``max_new_tokens=0`` returns: the prompt itself, no forward pass."""
+        return_dict = kwargs.get("return_dict_in_generate")
+        if return_dict is None:
+            config = generation_config if generation_config is not None else self.generation_config
+            return_dict = getattr(config, "return_dict_in_generate", False)
+        if not return_dict:
+            return input_ids
+        rows = input_ids.shape[0]
+        return StrategyGenerateOutput(
+            sequences=input_ids,
+            forward_passes=torch.zeros(rows, dtype=torch.long, device=input_ids.device),
+            accepted_lengths=[[] for _ in range(rows)],
+        )

@@ -1,0 +1,27 @@
+"""Output types of the draft-and-verify strategies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+
+@dataclass
+class StrategyGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus what a multi-token strategy did.
+
+    Attributes:
+        forward_passes: ``[batch]`` model calls made after prefill, per row.
+        accepted_lengths: per row, the number of tokens committed by each forward pass after prefill
+            (TiDAR: accepted drafts plus the verifier's own token).
+    """
+
+    forward_passes: torch.LongTensor | None = None
+    accepted_lengths: list[list[int]] | None = None
+
+    @property
+    def tokens_per_forward(self) -> list[float]:
+        """Mean tokens committed per post-prefill forward pass, per row (0 when none were made)."""
+        return [sum(row) / len(row) if row else 0.0 for row in (self.accepted_lengths or [])]

@@ -1,0 +1,228 @@
+"""Attention layouts of TiDAR: one visibility predicate, several renderings.
+
+Every TiDAR layout (training, prefill, decode step) is a sequence of *key tokens* of two kinds:
+
+* **clean** tokens (real text, ``group == -1``), each with a unique position id;
+* **mask** tokens (``[MASK]`` inputs, ``group >= 0``), arranged in groups that draft a block.
+
+Each token also has a **horizon**: it may see the clean tokens whose position id is below it.
+A clean token's horizon is ``position + 1`` (ordinary causal attention); a mask token's horizon is
+the first position its group must not see (its block start in training, ``p + j`` for decode group
+``j``). Mask tokens additionally see every token of their own group, in both directions. A clean
+token never sees a mask token. Padding keys are invisible; a padding query sees only itself, which
+keeps the softmax finite (its output is never used).
+
+That single rule, :func:`tidar_mask_mod`, is the source of truth. The layout builders below only
+assign ``position_ids``, ``group``, ``horizon`` and ``valid``; the renderings (bool for sdpa,
+additive float for eager, ``BlockMask`` for flex attention) all evaluate the same predicate. Queries
+are always the *last* ``query_len`` key tokens (earlier keys live in the KV cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+CLEAN = -1
+"""``group`` value of a clean (non-mask) token."""
+
+MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class TidarLayout:
+    """Per-token attributes of one attention layout, for a batch of rows.
+
+    All tensors have shape ``[batch, kv_len]`` and describe every key token: the cached prefix
+    first, then the ``query_len`` tokens of the current forward pass.
+
+    Attributes:
+        position_ids: rotary position of each token.
+        group: ``CLEAN`` (-1) for clean tokens, else the id of the mask group the token belongs to.
+        horizon: the token sees clean tokens whose position is ``< horizon``.
+        valid: ``False`` for padding.
+        query_len: how many trailing tokens are queries of this forward pass.
+    """
+
+    position_ids: torch.Tensor
+    group: torch.Tensor
+    horizon: torch.Tensor
+    valid: torch.Tensor
+    query_len: int
+
+    @property
+    def kv_len(self) -> int:
+        """Number of key tokens (cached prefix plus queries)."""
+        return self.position_ids.shape[-1]
+
+    @property
+    def batch_size(self) -> int:
+        """Number of rows."""
+        return self.position_ids.shape[0]
+
+    @property
+    def query_position_ids(self) -> torch.Tensor:
+        """Position ids of the query tokens, ``[batch, query_len]``, as the backbone expects them."""
+        return self.position_ids[:, self.kv_len - self.query_len :]
+
+    @property
+    def query_is_mask(self) -> torch.Tensor:
+        """``[batch, query_len]`` bool: which query tokens are ``[MASK]`` inputs."""
+        return self.group[:, self.kv_len - self.query_len :] != CLEAN
+
+
+def tidar_mask_mod(layout: TidarLayout) -> MaskMod:
+    """The TiDAR visibility predicate, in flex-attention ``mask_mod`` form.
+
+    Returns ``f(batch_idx, head_idx, q_idx, kv_idx) -> bool`` where ``q_idx`` counts query tokens
+    (0 = first token of this forward) and ``kv_idx`` counts key tokens (0 = first cached token).
+    Index tensors broadcast, so the same function renders a dense mask or a ``BlockMask``.
+    """
+    offset = layout.kv_len - layout.query_len
+    pos, group, horizon, valid = layout.position_ids, layout.group, layout.horizon, layout.valid
+
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+        q_tok = q_idx + offset
+        key_is_clean = group[b, kv_idx] == CLEAN
+        sees_clean_key = key_is_clean & (pos[b, kv_idx] < horizon[b, q_tok])
+        same_mask_group = (group[b, q_tok] != CLEAN) & (group[b, kv_idx] == group[b, q_tok])
+        padding_self = ~valid[b, q_tok] & (kv_idx == q_tok)
+        return (valid[b, kv_idx] & (sees_clean_key | same_mask_group)) | padding_self
+
+    return mask_mod
+
+
+# --------------------------------------------------------------------------------------------
+# Renderings
+# --------------------------------------------------------------------------------------------
+
+
+def to_bool_mask(layout: TidarLayout) -> torch.Tensor:
+    """Dense boolean mask ``[batch, 1, query_len, kv_len]`` (True = may attend), for sdpa."""
+    device = layout.position_ids.device
+    b = torch.arange(layout.batch_size, device=device)[:, None, None, None]
+    q = torch.arange(layout.query_len, device=device)[None, None, :, None]
+    kv = torch.arange(layout.kv_len, device=device)[None, None, None, :]
+    return tidar_mask_mod(layout)(b, None, q, kv)
+
+
+def to_additive_mask(layout: TidarLayout, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Additive float mask (0 = attend, dtype minimum = blocked), for eager attention."""
+    allowed = to_bool_mask(layout)
+    blocked = torch.finfo(dtype).min
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, blocked)
+
+
+def to_block_mask(layout: TidarLayout, block_size: int = 128):
+    """Render as a flex-attention ``BlockMask`` (no dense ``q x kv`` mask is kept)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(
+        tidar_mask_mod(layout),
+        B=layout.batch_size,
+        H=None,
+        Q_LEN=layout.query_len,
+        KV_LEN=layout.kv_len,
+        device=layout.position_ids.device,
+        BLOCK_SIZE=block_size,
+    )
+
+
+def render_mask(layout: TidarLayout, attn_implementation: str | None, dtype: torch.dtype) -> object:
+    """Render ``layout`` in the format the backbone's attention implementation expects.
+
+    sdpa takes a bool mask, eager an additive float mask (a bool mask there would be silently
+    wrong), flex attention a ``BlockMask``. FlashAttention cannot take a structured mask at all.
+    """
+    impl = attn_implementation or "sdpa"
+    if impl == "sdpa":
+        return to_bool_mask(layout)
+    if impl == "eager":
+        return to_additive_mask(layout, dtype)
+    if impl == "flex_attention":
+        return to_block_mask(layout)
+    raise ValueError(
+        f"attn_implementation={impl!r} cannot take TiDAR's structured attention masks. "
+        "Load the model with attn_implementation='sdpa' (default), 'eager' or 'flex_attention'."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Layout builders
+# --------------------------------------------------------------------------------------------
+
+
+def positions_from_padding(valid: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip padding (left or right): ``cumsum(valid) - 1``, clamped at 0."""
+    return (valid.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def _clean_tokens(valid: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return positions, torch.full_like(positions, CLEAN), positions + 1, valid
+
+
+def _mask_group(positions: torch.Tensor, group: torch.Tensor, horizon: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return positions, group, horizon, torch.ones_like(positions, dtype=torch.bool)
+
+
+def _concat(parts: Sequence[tuple[torch.Tensor, ...]], query_len: int) -> TidarLayout:
+    pos, group, horizon, valid = (torch.cat(field, dim=-1) for field in zip(*parts))
+    return TidarLayout(pos, group, horizon, valid.bool(), query_len)
+
+
+def tidar_training_layout(attention_mask: torch.Tensor, block_size: int) -> TidarLayout:
+    """Training layout over ``[x_0 .. x_{S-1} | M .. M]`` (2S tokens, all of them queries).
+
+    Clean token ``i`` is token-causal. Mask token ``i`` (block ``b = pos // block_size``) has the same
+    position id as clean token ``i``, sees its own block's masks and the clean tokens of blocks ``< b``
+    only — never a clean token at or after its block start, which would leak its label.
+    """
+    valid = attention_mask.bool()
+    pos = positions_from_padding(valid)
+    block = pos // block_size
+    masks = (pos, block, block * block_size, valid)
+    return _concat([_clean_tokens(valid, pos), masks], query_len=2 * pos.shape[-1])
+
+
+def tidar_prefill_layout(attention_mask: torch.Tensor, draft_len: int) -> TidarLayout:
+    """Prefill layout: the prompt (causal) plus one group of ``draft_len`` masks seeing the whole prompt.
+
+    The masks sit at positions ``L .. L + draft_len - 1`` (``L`` = number of real prompt tokens) and
+    draft the block that follows the prompt.
+    """
+    valid = attention_mask.bool()
+    pos = positions_from_padding(valid)
+    n_real = valid.long().sum(-1, keepdim=True)
+    mask_pos = n_real + torch.arange(draft_len, device=pos.device)
+    group = torch.zeros_like(mask_pos)
+    layout = _concat(
+        [_clean_tokens(valid, pos), _mask_group(mask_pos, group, n_real.expand_as(mask_pos))],
+        query_len=pos.shape[-1] + draft_len,
+    )
+    return layout
+
+
+def tidar_decode_layout(
+    prefix_valid: torch.Tensor, draft_len: int, groups: Sequence[int] | None = None
+) -> TidarLayout:
+    """Decode-step layout: cached prefix, ``draft_len`` drafts, then one mask group per entry of ``groups``.
+
+    With ``p`` real cached tokens, draft ``i`` sits at position ``p + i`` and is causal over the cache
+    and drafts ``0..i``. Group ``j`` (default: every ``j`` in ``1..draft_len``) holds ``draft_len``
+    masks at positions ``p + j .. p + j + draft_len - 1`` that see the cache and drafts ``0..j-1``
+    plus their own group: the proposal for "the first ``j`` drafts are accepted".
+    The query is ``drafts + groups``; the prefix is only keys (it lives in the KV cache).
+    """
+    groups = list(range(1, draft_len + 1)) if groups is None else list(groups)
+    valid = prefix_valid.bool()
+    device = valid.device
+    prefix_pos = positions_from_padding(valid)
+    p = valid.long().sum(-1, keepdim=True)
+    draft_pos = p + torch.arange(draft_len, device=device)
+    parts = [_clean_tokens(valid, prefix_pos), _clean_tokens(torch.ones_like(draft_pos, dtype=torch.bool), draft_pos)]
+    for j in groups:
+        mask_pos = p + j + torch.arange(draft_len, device=device)
+        parts.append(_mask_group(mask_pos, torch.full_like(mask_pos, j), (p + j).expand_as(mask_pos)))
+    return _concat(parts, query_len=draft_len * (1 + len(groups)))

@@ -1,0 +1,264 @@
+"""TiDAR models: a thin ``PreTrainedModel`` around an unchanged Llama / Qwen2 / Qwen3 backbone.
+
+The backbone is built by ``AutoModel.from_config`` and the LM head is a plain ``nn.Linear``, under
+the same attribute names as ``LlamaForCausalLM`` (``model.*``, ``lm_head.weight``), so any AR
+checkpoint's weights load without renaming. What TiDAR adds is only a ``[MASK]`` embedding row,
+structured attention masks and position ids (see :mod:`hf_tidar.masks`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration import TidarConfig, check_backbone_type
+from .generation.mixin import StrategyGenerationMixin
+from .masks import TidarLayout, render_mask, tidar_training_layout
+
+IGNORE_INDEX = -100
+MASK_TOKEN = "[MASK]"
+
+
+@dataclass
+class TidarCausalLMOutput(CausalLMOutputWithPast):
+    """``CausalLMOutputWithPast`` plus the two parts of the hybrid loss, for logging.
+
+    Attributes:
+        ar_loss: mean next-token cross-entropy over the clean half.
+        diffusion_loss: mean cross-entropy of the mask half against the (unshifted) clean tokens.
+    """
+
+    ar_loss: torch.Tensor | None = None
+    diffusion_loss: torch.Tensor | None = None
+
+
+class TidarPreTrainedModel(PreTrainedModel):
+    """Base class wiring ``TidarConfig`` into transformers' loading machinery."""
+
+    config_class = TidarConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    _can_compile_fullgraph = False
+
+
+class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, GenerationMixin):
+    """A Llama / Qwen2 / Qwen3 causal LM that also drafts by one-step diffusion (TiDAR).
+
+    * ``forward(input_ids)`` without labels is the unchanged causal LM (HF's AR ``generate`` uses it).
+    * ``forward(input_ids, labels=...)`` builds the doubled sequence ``[x | MASK...]`` and returns the
+      hybrid loss ``(alpha * L_AR + L_Diff) / (1 + alpha)`` with both parts exposed.
+    * ``generate(..., strategy="tidar")`` decodes TiDAR-style; ``strategy="ar"`` (default) is HF's loop.
+    """
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    supported_strategies = ("ar", "tidar")
+    # The hybrid loss is a mean per batch; Trainer must scale it for gradient accumulation itself.
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: TidarConfig):
+        super().__init__(config)
+        self.model = AutoModel.from_config(config.text_config)
+        self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
+        self._no_split_modules = getattr(self.model, "_no_split_modules", None)
+        self.post_init()
+
+    # -- embeddings (for resize_token_embeddings and weight tying) -------------------------------
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, value: nn.Linear) -> None:
+        self.lm_head = value
+
+    # -- conversion -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_ar(
+        cls,
+        model_or_path: PreTrainedModel | str | os.PathLike,
+        block_size: int = 8,
+        mask_token_id: int | None = None,
+        tokenizer=None,
+        ar_loss_weight: float = 1.0,
+        **from_pretrained_kwargs,
+    ) -> TidarForCausalLM:
+        """Convert an autoregressive Llama / Qwen2 / Qwen3 causal LM into a TiDAR model.
+
+        Args:
+            model_or_path: a loaded ``PreTrainedModel``, a local folder or a hub id.
+            block_size: diffusion block size (also the default draft length).
+            mask_token_id: an existing token to use as ``[MASK]``. If ``None``, a ``[MASK]`` token is
+                added (to ``tokenizer`` too, when given) and the embeddings are resized.
+            tokenizer: optional tokenizer to receive the added ``[MASK]`` token.
+            ar_loss_weight: ``alpha`` of the hybrid loss.
+            **from_pretrained_kwargs: passed to ``AutoModelForCausalLM.from_pretrained`` for paths.
+
+        The weights are copied; the AR model is left untouched. Its generation config comes along.
+        """
+        if isinstance(model_or_path, (str, os.PathLike)):
+            ar_model = AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
+        elif isinstance(model_or_path, PreTrainedModel):
+            ar_model = model_or_path
+        else:
+            raise TypeError(f"from_ar expects a PreTrainedModel or a path, got {type(model_or_path).__name__}.")
+        check_backbone_type(getattr(ar_model.config, "model_type", None))
+
+        text_config = copy.deepcopy(ar_model.config)
+        config = TidarConfig(
+            text_config=text_config.to_dict(),
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            ar_loss_weight=ar_loss_weight,
+        )
+        config.text_config._attn_implementation = ar_model.config._attn_implementation
+        model = cls(config).to(dtype=ar_model.dtype, device=ar_model.device)
+        model.load_state_dict(ar_model.state_dict(), strict=False)
+        model.tie_weights()
+        model.generation_config = copy.deepcopy(ar_model.generation_config)
+        if mask_token_id is None:
+            model._add_mask_token(tokenizer)
+        elif not 0 <= mask_token_id < model.get_input_embeddings().num_embeddings:
+            raise ValueError(
+                f"mask_token_id={mask_token_id} is outside the embedding table "
+                f"({model.get_input_embeddings().num_embeddings} rows)."
+            )
+        return model
+
+    def _add_mask_token(self, tokenizer=None) -> None:
+        """Add a ``[MASK]`` token (to the tokenizer if given) and grow the embeddings to hold it."""
+        rows = self.get_input_embeddings().num_embeddings
+        if tokenizer is not None:
+            tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
+            new_id = tokenizer.mask_token_id
+        else:
+            new_id = rows
+        if new_id >= rows:
+            # mean_resizing: the new row starts at the mean embedding, a neutral input for the drafts.
+            self.resize_token_embeddings(new_id + 1, mean_resizing=True)
+        self.config.mask_token_id = new_id
+
+    # -- forward ----------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        cache=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> TidarCausalLMOutput:
+        """Causal LM forward; with ``labels``, the TiDAR hybrid-loss forward over ``[x | MASK...]``.
+
+        ``labels`` follow transformers' convention: unshifted, ``-100`` where ignored (as
+        ``DataCollatorForLanguageModeling(mlm=False)`` builds them).
+        """
+        kwargs.pop("num_items_in_batch", None)
+        if labels is not None:
+            if input_ids is None:
+                raise ValueError("The TiDAR training forward needs input_ids (it appends [MASK] tokens).")
+            return self._hybrid_loss_forward(input_ids, attention_mask, labels, **kwargs)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            **kwargs,
+        )
+        hidden = outputs.last_hidden_state
+        if isinstance(logits_to_keep, int):
+            hidden = hidden[:, -logits_to_keep:] if logits_to_keep > 0 else hidden
+        else:
+            hidden = hidden[:, logits_to_keep]
+        return TidarCausalLMOutput(
+            logits=self.lm_head(hidden),
+            cache=outputs.cache,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+
+    def _hybrid_loss_forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor, **kwargs
+    ) -> TidarCausalLMOutput:
+        mask_id = self.require_mask_token_id()
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        valid = attention_mask.bool()
+        labels = labels.masked_fill(~valid, IGNORE_INDEX)
+        seq_len = input_ids.shape[1]
+
+        layout = tidar_training_layout(attention_mask, self.config.block_size)
+        doubled = torch.cat([input_ids, torch.full_like(input_ids, mask_id)], dim=1)
+        hidden = self.structured_hidden_states(doubled, layout, cache=None, **kwargs)
+        logits = self.lm_head(hidden)
+        ar_logits, diffusion_logits = logits[:, :seq_len], logits[:, seq_len:]
+
+        # Clean token i predicts x_{i+1}; a padding query predicts nothing (it only sees itself).
+        ar_targets = labels[:, 1:].masked_fill(~valid[:, :-1], IGNORE_INDEX)
+        ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
+        diffusion_loss = _mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
+        alpha = self.config.ar_loss_weight
+        loss = (alpha * ar_loss + diffusion_loss) / (1 + alpha)
+        return TidarCausalLMOutput(
+            loss=loss, logits=logits, ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach()
+        )
+
+    def structured_hidden_states(
+        self, input_ids: torch.Tensor, layout: TidarLayout, cache=None, **kwargs
+    ) -> torch.Tensor:
+        """Run the backbone over ``input_ids`` (the layout's queries) under the layout's mask.
+
+        Returns the last hidden states ``[batch, query_len, hidden]``; apply ``lm_head`` only where
+        logits are needed (the vocabulary projection is the largest matmul of a small model).
+        """
+        attn_impl = self.model.config._attn_implementation
+        mask = render_mask(layout, attn_impl, self.get_input_embeddings().weight.dtype)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=layout.query_position_ids,
+            cache=cache,
+            use_cache=cache is not None,
+            **kwargs,
+        )
+        return outputs.last_hidden_state
+
+    def require_mask_token_id(self) -> int:
+        """The ``[MASK]`` id, or a ``ValueError`` saying how to get one."""
+        mask_id = self.config.mask_token_id
+        if mask_id is None:
+            raise ValueError(
+                "This model has no mask token (config.mask_token_id is None). Convert it with "
+                "TidarForCausalLM.from_ar(model) (which adds [MASK]) or pass mask_token_id=..."
+            )
+        return mask_id
+
+
+def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored targets (0 when there are none, keeping the graph)."""
+    logits = logits.reshape(-1, logits.shape[-1]).float()
+    targets = targets.reshape(-1)
+    if not (targets != IGNORE_INDEX).any():
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
