@@ -89,7 +89,8 @@ def tidar_mask_mod(layout: TidarLayout) -> MaskMod:
         sees_clean_key = key_is_clean & (pos[b, kv_idx] < horizon[b, q_tok])
         same_mask_group = (group[b, q_tok] != CLEAN) & (group[b, kv_idx] == group[b, q_tok])
         padding_self = ~valid[b, q_tok] & (kv_idx == q_tok)
-        return (valid[b, kv_idx] & (sees_clean_key | same_mask_group)) | padding_self
+        real_pair = valid[b, q_tok] & valid[b, kv_idx]
+        return (real_pair & (sees_clean_key | same_mask_group)) | padding_self
 
     return mask_mod
 
@@ -134,7 +135,8 @@ def render_mask(layout: TidarLayout, attn_implementation: str | None, dtype: tor
     """Render ``layout`` in the format the backbone's attention implementation expects.
 
     sdpa takes a bool mask, eager an additive float mask (a bool mask there would be silently
-    wrong), flex attention a ``BlockMask``. FlashAttention cannot take a structured mask at all.
+    wrong), flex attention a ``BlockMask``, the ``tidar_triton`` kernel a ``TidarMaskCarrier`` (the layout
+    itself, no dense mask). FlashAttention cannot take a structured mask at all.
     """
     impl = attn_implementation or "sdpa"
     if impl == "sdpa":
@@ -143,9 +145,15 @@ def render_mask(layout: TidarLayout, attn_implementation: str | None, dtype: tor
         return to_additive_mask(layout, dtype)
     if impl == "flex_attention":
         return to_block_mask(layout)
+    if impl == "tidar_triton":
+        # No dense mask: a 4D stand-in carrying the layout, which the Triton kernel reads as
+        # per-token descriptors. Imported here because hf_tidar.kernels imports this module.
+        from .kernels.descriptors import TidarMaskCarrier
+
+        return TidarMaskCarrier(layout)
     raise ValueError(
         f"attn_implementation={impl!r} cannot take TiDAR's structured attention masks. "
-        "Load the model with attn_implementation='sdpa' (default), 'eager' or 'flex_attention'."
+        "Load the model with attn_implementation='sdpa' (default), 'eager', 'flex_attention' or 'tidar_triton'."
     )
 
 

@@ -39,6 +39,26 @@ class TidarCausalLMOutput(CausalLMOutputWithPast):
     diffusion_loss: torch.Tensor | None = None
 
 
+class LossTracker:
+    """Running sums of named loss parts between two Trainer logging steps."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.count = 0
+
+    def add(self, **losses: torch.Tensor) -> None:
+        """Accumulate one training step's loss parts."""
+        for name, value in losses.items():
+            self.sums[name] = self.sums.get(name, 0.0) + float(value)
+        self.count += 1
+
+    def pop_means(self) -> dict[str, float]:
+        """Means since the last call, then reset."""
+        means = {name: total / self.count for name, total in self.sums.items()} if self.count else {}
+        self.sums, self.count = {}, 0
+        return means
+
+
 class TidarPreTrainedModel(PreTrainedModel):
     """Base class wiring ``TidarConfig`` into transformers' loading machinery."""
 
@@ -70,6 +90,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         self.model = AutoModel.from_config(config.text_config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self._no_split_modules = getattr(self.model, "_no_split_modules", None)
+        self.loss_tracker = LossTracker()
         self.post_init()
 
     # -- embeddings (for resize_token_embeddings and weight tying) -------------------------------
@@ -220,6 +241,8 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         diffusion_loss = _mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
         alpha = self.config.ar_loss_weight
         loss = (alpha * ar_loss + diffusion_loss) / (1 + alpha)
+        if self.training:
+            self.loss_tracker.add(ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach())
         return TidarCausalLMOutput(
             loss=loss, logits=logits, ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach()
         )
@@ -257,7 +280,9 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
 
 def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over non-ignored targets (0 when there are none, keeping the graph)."""
-    logits = logits.reshape(-1, logits.shape[-1]).float()
+    logits = logits.reshape(-1, logits.shape[-1])
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # a softmax over a large vocabulary in half precision loses too much
     targets = targets.reshape(-1)
     if not (targets != IGNORE_INDEX).any():
         return logits.sum() * 0.0

@@ -65,6 +65,10 @@ class StrategyGenerationMixin:
         mask_id = self.require_mask_token_id()
         logits_processor = LogitsProcessorList([*(logits_processor or []), MaskTokenSuppressor(mask_id)])
 
+        if input_ids is not None and input_ids.shape[0] == 1 and kwargs.get("attention_mask") is None:
+            # One row has no padding. Without this, transformers would infer padding wherever the
+            # pad token occurs in the prompt, and both strategies would mis-read such a prompt.
+            kwargs["attention_mask"] = torch.ones_like(input_ids)
         if kwargs.get("max_new_tokens") == 0 and input_ids is not None:
             return self._prompt_only(input_ids, generation_config, kwargs)
         if strategy == DEFAULT_STRATEGY:
@@ -127,6 +131,12 @@ class StrategyGenerationMixin:
                 f"strategy={strategy!r} cannot return attentions or hidden states (its forward passes mix "
                 "draft and mask tokens); use strategy='ar' for those."
             )
+        attention_mask = kwargs.get("attention_mask")
+        if attention_mask is not None and _has_right_padding(attention_mask):
+            raise ValueError(
+                f"strategy={strategy!r} needs left padding: the attention_mask has padding after real tokens. "
+                "Set tokenizer.padding_side = 'left'."
+            )
         if input_ids is not None and input_ids.shape[0] > 1:
             raise ValueError(
                 f"strategy={strategy!r} supports batch size 1 for now, got {input_ids.shape[0]} rows. "
@@ -147,3 +157,10 @@ class StrategyGenerationMixin:
             forward_passes=torch.zeros(rows, dtype=torch.long, device=input_ids.device),
             accepted_lengths=[[] for _ in range(rows)],
         )
+
+
+def _has_right_padding(attention_mask: torch.Tensor) -> bool:
+    """True when some row has a padding position after a real one."""
+    real = attention_mask.bool()
+    seen_real = real.long().cummax(dim=-1).values.bool()
+    return bool((seen_real & ~real).any())
