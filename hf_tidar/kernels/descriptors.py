@@ -1,0 +1,158 @@
+"""Compact layout descriptors for the Triton kernel, and the mask object that carries them.
+
+The kernel never reads a ``q x kv`` mask. It gets the layout's four per-token int vectors
+(``position_ids``, ``group``, ``horizon``, ``valid``; O(q + kv) memory) and evaluates
+:func:`hf_tidar.masks.tidar_mask_mod` on the fly. To skip work it also gets cheap per-tile summaries,
+computed here once per forward pass (every layer shares them):
+
+* per key tile: min / max position of its valid clean keys, min / max group of its valid mask keys,
+  and whether every key is valid-and-clean or valid-and-mask;
+* per query tile: min / max horizon of its real queries, min / max group of its real mask queries,
+  whether every query is a mask token, and whether any query is padding (padding sees itself only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..masks import CLEAN, TidarLayout
+
+BIG = 2**30
+"""Sentinel that no position, horizon or group id reaches; fits comfortably in int32."""
+
+KEY_SUMMARY_FIELDS = ("min_pos", "max_pos", "min_group", "max_group", "all_clean", "all_mask")
+QUERY_SUMMARY_FIELDS = ("min_horizon", "max_horizon", "min_group", "max_group", "all_mask", "has_padding")
+
+
+@dataclass(frozen=True)
+class TileDescriptors:
+    """Everything the kernel reads about the mask, for one batch of rows and one tiling.
+
+    Attributes:
+        token: ``[batch, 4, kv_len]`` int32: position, group, horizon, valid (0/1) of every key token.
+        key_tiles: ``[batch, n_key_tiles, len(KEY_SUMMARY_FIELDS)]`` int32 summaries.
+        query_tiles: ``[batch, n_query_tiles, len(QUERY_SUMMARY_FIELDS)]`` int32 summaries.
+        query_len: number of query tokens (the last ``query_len`` key tokens).
+        block_m: query rows per tile.
+        block_n: key columns per tile.
+    """
+
+    token: torch.Tensor
+    key_tiles: torch.Tensor
+    query_tiles: torch.Tensor
+    query_len: int
+    block_m: int
+    block_n: int
+
+    @property
+    def kv_len(self) -> int:
+        """Number of key tokens."""
+        return self.token.shape[-1]
+
+
+def _tile_reduce(x: torch.Tensor, block: int, fill: int, reduce_max: bool) -> torch.Tensor:
+    """Min or max of ``x`` ([batch, n]) over tiles of ``block`` columns; the ragged tail is padded with ``fill``."""
+    n = x.shape[-1]
+    n_tiles = -(-n // block)
+    padded = torch.nn.functional.pad(x, (0, n_tiles * block - n), value=fill).view(x.shape[0], n_tiles, block)
+    return padded.amax(-1) if reduce_max else padded.amin(-1)
+
+
+def key_tile_summaries(layout: TidarLayout, block_n: int) -> torch.Tensor:
+    """Per key tile: see :data:`KEY_SUMMARY_FIELDS`. Out-of-range tail keys count as padding."""
+    valid = layout.valid.bool()
+    is_clean = valid & (layout.group == CLEAN)
+    is_mask = valid & (layout.group != CLEAN)
+    pos, group = layout.position_ids.long(), layout.group.long()
+    fields = [
+        _tile_reduce(pos.masked_fill(~is_clean, BIG), block_n, BIG, reduce_max=False),
+        _tile_reduce(pos.masked_fill(~is_clean, -BIG), block_n, -BIG, reduce_max=True),
+        _tile_reduce(group.masked_fill(~is_mask, BIG), block_n, BIG, reduce_max=False),
+        _tile_reduce(group.masked_fill(~is_mask, -BIG), block_n, -BIG, reduce_max=True),
+        _tile_reduce(is_clean.long(), block_n, 0, reduce_max=False),
+        _tile_reduce(is_mask.long(), block_n, 0, reduce_max=False),
+    ]
+    return torch.stack(fields, dim=-1).to(torch.int32).contiguous()
+
+
+def query_tile_summaries(layout: TidarLayout, block_m: int) -> torch.Tensor:
+    """Per query tile: see :data:`QUERY_SUMMARY_FIELDS`, over its non-padding queries.
+
+    A padding query sees only itself, so it enters the summaries only through ``has_padding``.
+    Out-of-range tail rows are neutral.
+    """
+    offset = layout.kv_len - layout.query_len
+    horizon = layout.horizon[:, offset:].long()
+    group = layout.group[:, offset:].long()
+    padding = ~layout.valid[:, offset:].bool()
+    is_mask = (group != CLEAN) & ~padding
+    fields = [
+        _tile_reduce(horizon.masked_fill(padding, BIG), block_m, BIG, reduce_max=False),
+        _tile_reduce(horizon.masked_fill(padding, -BIG), block_m, -BIG, reduce_max=True),
+        _tile_reduce(group.masked_fill(~is_mask, BIG), block_m, BIG, reduce_max=False),
+        _tile_reduce(group.masked_fill(~is_mask, -BIG), block_m, -BIG, reduce_max=True),
+        _tile_reduce(is_mask.long(), block_m, 1, reduce_max=False),
+        _tile_reduce(padding.long(), block_m, 0, reduce_max=True),
+    ]
+    return torch.stack(fields, dim=-1).to(torch.int32).contiguous()
+
+
+def build_descriptors(
+    layout: TidarLayout, block_m: int, block_n: int, device: torch.device | str | None = None
+) -> TileDescriptors:
+    """Turn ``layout`` into the kernel's int32 inputs (per-token vectors plus tile summaries)."""
+    if layout.position_ids.abs().max() >= BIG or layout.horizon.abs().max() >= BIG:
+        raise ValueError("Position ids and horizons must stay below 2**30 for the Triton kernel.")
+    token = torch.stack(
+        [layout.position_ids.long(), layout.group.long(), layout.horizon.long(), layout.valid.long()], dim=1
+    )
+    return TileDescriptors(
+        token=token.to(device=device, dtype=torch.int32).contiguous(),
+        key_tiles=key_tile_summaries(layout, block_n).to(device),
+        query_tiles=query_tile_summaries(layout, block_m).to(device),
+        query_len=layout.query_len,
+        block_m=block_m,
+        block_n=block_n,
+    )
+
+
+class TidarMaskCarrier(torch.Tensor):
+    """A 4D stand-in for the attention mask that carries a :class:`TidarLayout` to the kernel.
+
+    transformers passes any 4D ``attention_mask`` tensor through ``create_causal_mask`` unchanged, so
+    this object reaches the ``tidar_triton`` attention function of every layer as is. Its tensor
+    data is a single ``False`` broadcast (stride 0) to ``[batch, 1, query_len, kv_len]``: no dense
+    mask is allocated, and any other attention function handed it by mistake masks everything
+    (NaN / garbage output) instead of silently attending to everything.
+
+    Descriptors are built on first use and memoised per (device, tiling), so all layers of one
+    forward pass share them.
+    """
+
+    tidar_layout: TidarLayout
+    _descriptor_cache: dict
+
+    # Plain tensors out of any op: slices or copies of a carrier must not pretend to carry a layout.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, layout: TidarLayout) -> TidarMaskCarrier:
+        shape = (layout.batch_size, 1, layout.query_len, layout.kv_len)
+        data = torch.zeros((), dtype=torch.bool, device=layout.position_ids.device).expand(shape)
+        carrier = torch.Tensor._make_subclass(cls, data, False)
+        carrier.tidar_layout = layout
+        carrier._descriptor_cache = {}
+        return carrier
+
+    def descriptors(self, block_m: int, block_n: int, device: torch.device) -> TileDescriptors:
+        """The kernel inputs for this tiling on ``device`` (built once, then reused by every layer)."""
+        key = (str(device), block_m, block_n)
+        if key not in self._descriptor_cache:
+            self._descriptor_cache[key] = build_descriptors(self.tidar_layout, block_m, block_n, device)
+        return self._descriptor_cache[key]
+
+    def __repr__(self) -> str:  # the default repr would print a [b, 1, q, kv] tensor of False
+        b, _, q, kv = self.shape
+        return f"TidarMaskCarrier(batch={b}, query_len={q}, kv_len={kv})"
