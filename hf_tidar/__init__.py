@@ -6,6 +6,7 @@ Importing the package registers the ``tidar`` model type with ``AutoConfig`` and
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from . import kernels  # noqa: F401  (registers attn_implementation="tidar_triton"; triton loads lazily)
 from .configuration import SUPPORTED_BACKBONES, TidarConfig
 from .generation import StrategyGenerateOutput
 from .modeling import TidarCausalLMOutput, TidarForCausalLM

@@ -176,7 +176,7 @@ def _mask_group(positions: torch.Tensor, group: torch.Tensor, horizon: torch.Ten
 
 
 def _concat(parts: Sequence[tuple[torch.Tensor, ...]], query_len: int) -> TidarLayout:
-    pos, group, horizon, valid = (torch.cat(field, dim=-1) for field in zip(*parts))
+    pos, group, horizon, valid = (torch.cat(field, dim=-1) for field in zip(*parts, strict=True))
     return TidarLayout(pos, group, horizon, valid.bool(), query_len)
 
 

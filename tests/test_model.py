@@ -45,7 +45,7 @@ def test_save_and_load_through_auto_classes(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tidar", dtype=torch.float64)
     assert isinstance(loaded, TidarForCausalLM)
     assert loaded.config.block_size == 3 and loaded.config.mask_token_id == tidar.config.mask_token_id
-    for (name, a), (_, b) in zip(tidar.state_dict().items(), loaded.state_dict().items()):
+    for (name, a), (_, b) in zip(tidar.state_dict().items(), loaded.state_dict().items(), strict=True):
         assert torch.equal(a, b), name
     prompt = torch.randint(0, 64, (1, 5))
     kwargs = dict(max_new_tokens=9, strategy="tidar", eos_token_id=None)

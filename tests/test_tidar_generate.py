@@ -124,5 +124,5 @@ def test_max_length_and_scores_follow_generate_conventions(random_model):
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected.sequences)
     assert len(out.scores) == len(expected.scores) == 9
-    for mine, theirs in zip(out.logits, expected.logits):
+    for mine, theirs in zip(out.logits, expected.logits, strict=True):
         torch.testing.assert_close(mine[:, : theirs.shape[-1]], theirs)
