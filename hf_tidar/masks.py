@@ -234,3 +234,48 @@ def tidar_decode_layout(
         mask_pos = p + j + torch.arange(draft_len, device=device)
         parts.append(_mask_group(mask_pos, torch.full_like(mask_pos, j), (p + j).expand_as(mask_pos)))
     return _concat(parts, query_len=draft_len * (1 + len(groups)))
+
+
+class DecodeStepMasks:
+    """Decode-step masks for one draft layout, rendered once and completed per step.
+
+    Every query of a decode step sees every real cached token (all horizons are at least ``p``), so a
+    step's mask is ``[prefix_valid | fixed query-query block]``. The block and the query position
+    offsets come from :func:`tidar_decode_layout` (so from the one predicate) once per layout; a step
+    only broadcasts the cache's validity row. Backends that want the whole layout (flex attention,
+    the Triton kernel) get it built per step instead.
+    """
+
+    def __init__(self, draft_len: int, groups: Sequence[int], device: torch.device | str = "cpu"):
+        self.draft_len = draft_len
+        self.groups = tuple(groups)
+        one_token = tidar_decode_layout(torch.ones(1, 1, dtype=torch.bool, device=device), draft_len, groups)
+        allowed = to_bool_mask(one_token)[0, 0]
+        if not allowed[:, 0].all():
+            raise AssertionError("every decode query must see the cached prefix")
+        self.block = allowed[:, 1:]  # [query, query]
+        self.offsets = one_token.query_position_ids[0] - 1  # query positions relative to p
+        self.query_len = self.block.shape[0]
+
+    def position_ids(self, prefix_valid: torch.Tensor) -> torch.Tensor:
+        """``[batch, query_len]`` position ids: ``p_row + offset`` with ``p_row`` real cached tokens."""
+        return prefix_valid.sum(-1, keepdim=True) + self.offsets
+
+    def render(self, prefix_valid: torch.Tensor, attn_implementation: str | None, dtype: torch.dtype) -> object:
+        """The step's attention mask in the backend's format, for a cache with validity ``prefix_valid``."""
+        impl = attn_implementation or "sdpa"
+        if impl not in ("sdpa", "eager"):
+            return render_mask(tidar_decode_layout(prefix_valid, self.draft_len, self.groups), impl, dtype)
+        batch, prefix = prefix_valid.shape
+        allowed = torch.cat(
+            [
+                prefix_valid[:, None, None, :].expand(batch, 1, self.query_len, prefix),
+                self.block.expand(batch, 1, self.query_len, self.query_len),
+            ],
+            dim=-1,
+        )
+        if impl == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )

@@ -248,19 +248,29 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         )
 
     def structured_hidden_states(
-        self, input_ids: torch.Tensor, layout: TidarLayout, cache=None, **kwargs
+        self,
+        input_ids: torch.Tensor,
+        layout: TidarLayout | None,
+        cache=None,
+        mask: object | None = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs,
     ) -> torch.Tensor:
         """Run the backbone over ``input_ids`` (the layout's queries) under the layout's mask.
 
+        Either ``layout`` is given (it is rendered for the backbone's attention implementation), or an
+        already rendered ``mask`` with its ``position_ids`` (the decode loop renders masks itself).
         Returns the last hidden states ``[batch, query_len, hidden]``; apply ``lm_head`` only where
         logits are needed (the vocabulary projection is the largest matmul of a small model).
         """
-        attn_impl = self.model.config._attn_implementation
-        mask = render_mask(layout, attn_impl, self.get_input_embeddings().weight.dtype)
+        if layout is not None:
+            attn_impl = self.model.config._attn_implementation
+            mask = render_mask(layout, attn_impl, self.get_input_embeddings().weight.dtype)
+            position_ids = layout.query_position_ids
         outputs = self.model(
             input_ids=input_ids,
             attention_mask=mask,
-            position_ids=layout.query_position_ids,
+            position_ids=position_ids,
             cache=cache,
             use_cache=cache is not None,
             **kwargs,

@@ -8,11 +8,12 @@ it, rejects options the strategy cannot honour, and leaves ``strategy="ar"`` to 
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 
 import torch
-from transformers import LogitsProcessorList
+from transformers import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
 from transformers.generation.configuration_utils import GenerationMode
 
 from .outputs import StrategyGenerateOutput
@@ -36,7 +37,7 @@ class StrategyGenerationMixin:
 
     supported_strategies: tuple[str, ...] = (DEFAULT_STRATEGY,)
     #: generation modes (transformers' ``GenerationMode``) each non-AR strategy can honour
-    strategy_generation_modes: tuple[GenerationMode, ...] = (GenerationMode.GREEDY_SEARCH,)
+    strategy_generation_modes: tuple[GenerationMode, ...] = (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE)
 
     def generate(
         self,
@@ -80,6 +81,7 @@ class StrategyGenerationMixin:
                 **kwargs,
             )
         self._check_strategy_options(strategy, generation_config, input_ids, kwargs)
+        generation_config, stopping_criteria = self._with_stop_strings(generation_config, stopping_criteria, kwargs)
         loop = functools.partial(_strategy_loops()[strategy], streamer=kwargs.pop("streamer", None))
         return super().generate(
             inputs,
@@ -89,6 +91,25 @@ class StrategyGenerationMixin:
             custom_generate=loop,
             **kwargs,
         )
+
+    def _with_stop_strings(self, generation_config, stopping_criteria, kwargs: dict):
+        """Build ``stop_strings`` criteria here: transformers drops the ``tokenizer`` of custom loops.
+
+        Returns the generation config (without ``stop_strings``) and the completed criteria list.
+        """
+        stop_strings = kwargs.pop("stop_strings", None)
+        config = generation_config if generation_config is not None else self.generation_config
+        if stop_strings is None and getattr(config, "stop_strings", None):
+            stop_strings = config.stop_strings
+            generation_config = copy.deepcopy(config)
+            generation_config.stop_strings = None
+        criteria = StoppingCriteriaList(list(stopping_criteria or []))
+        if stop_strings:
+            tokenizer = kwargs.get("tokenizer")
+            if tokenizer is None:
+                raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate.")
+            criteria.append(StopStringCriteria(tokenizer, stop_strings))
+        return generation_config, criteria
 
     # -- checks -----------------------------------------------------------------------------------
 
@@ -124,8 +145,6 @@ class StrategyGenerationMixin:
                 f"(num_beams={config.num_beams}, do_sample={config.do_sample}, assistant/prompt lookup, ...). "
                 f"It supports: {allowed}. Use strategy='ar' for other modes."
             )
-        if (config.num_return_sequences or 1) > 1:
-            raise ValueError(f"strategy={strategy!r} does not support num_return_sequences > 1.")
         if config.output_attentions or config.output_hidden_states:
             raise ValueError(
                 f"strategy={strategy!r} cannot return attentions or hidden states (its forward passes mix "
@@ -137,11 +156,15 @@ class StrategyGenerationMixin:
                 f"strategy={strategy!r} needs left padding: the attention_mask has padding after real tokens. "
                 "Set tokenizer.padding_side = 'left'."
             )
-        if input_ids is not None and input_ids.shape[0] > 1:
-            raise ValueError(
-                f"strategy={strategy!r} supports batch size 1 for now, got {input_ids.shape[0]} rows. "
-                "Generate the rows one at a time."
-            )
+        streamer = kwargs.get("streamer")
+        if streamer is not None:
+            if not (callable(getattr(streamer, "put", None)) and callable(getattr(streamer, "end", None))):
+                raise ValueError(
+                    f"streamer must be a transformers streamer (with put() and end()), got {type(streamer).__name__}."
+                )
+            rows = (input_ids.shape[0] if input_ids is not None else 1) * (config.num_return_sequences or 1)
+            if rows > 1:
+                raise ValueError("Streaming works with one sequence at a time (as in transformers); got a batch.")
 
     def _prompt_only(self, input_ids: torch.Tensor, generation_config, kwargs: dict):
         """What ``max_new_tokens=0`` returns: the prompt itself, no forward pass."""

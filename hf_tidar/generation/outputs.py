@@ -16,10 +16,13 @@ class StrategyGenerateOutput(GenerateDecoderOnlyOutput):
         forward_passes: ``[batch]`` model calls made after prefill, per row.
         accepted_lengths: per row, the number of tokens committed by each forward pass after prefill
             (TiDAR: accepted drafts plus the verifier's own token).
+        accepted_length_histogram: ``[batch, max_len + 1]``: entry ``[r, n]`` counts row ``r``'s passes
+            that committed ``n`` tokens.
     """
 
     forward_passes: torch.LongTensor | None = None
     accepted_lengths: list[list[int]] | None = None
+    accepted_length_histogram: torch.LongTensor | None = None
 
     @property
     def tokens_per_forward(self) -> list[float]:

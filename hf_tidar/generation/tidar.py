@@ -1,66 +1,318 @@
 """TiDAR decoding: verify the previous drafts autoregressively and pre-draft the next block, in one pass.
 
-One step, with ``p`` committed tokens in the cache and drafts ``d_0..d_{k-1}`` (``d_0`` is already
-emitted: it was chosen by the verifier):
+One step, with ``p`` committed tokens in the cache and drafts ``d_0..d_{m-1}`` (``d_0`` is already
+emitted: the verifier chose it in the previous pass):
 
-1. Query ``[d_0 .. d_{k-1} | group 1 | ... | group k]`` (``k + k*k`` tokens) under the decode layout
-   (:func:`hf_tidar.masks.tidar_decode_layout`). Group ``j`` holds ``k`` masks that see ``d_0..d_{j-1}``.
-2. Greedy acceptance: ``a = 1``; while ``a < k`` and the AR argmax after ``d_{a-1}`` equals ``d_a``,
-   emit ``d_a`` and ``a += 1``. The AR argmax after ``d_{a-1}`` is then emitted too: it is exact.
-3. Keep the KV of ``d_0..d_{a-1}`` (drafts come first in the query, so this is a crop).
-4. Next drafts: the argmax of group ``a``'s slots, with slot 0 replaced by the verifier's token.
+1. Query ``[d_0 .. d_{k-1} | group j for j in groups]`` under the decode layout; group ``j`` holds ``k``
+   masks that see ``d_0..d_{j-1}`` and draft positions ``p+j .. p+j+k-1`` (:mod:`hf_tidar.masks`).
+2. Verify: the AR logit at ``d_{i-1}`` decides ``d_i`` (greedy match or speculative sampling, see
+   :mod:`.acceptance`). The token chosen after the last accepted draft is exact and is emitted too.
+3. Keep the KV of the accepted drafts. Drafts come first in the query, so this is a crop — in a batch,
+   rows that accepted fewer than the most leave invalid slots (holes) that a periodic gather removes.
+4. Next drafts: the slots of the group for the accepted count (:class:`.layout.DraftLayout`), with the
+   slot at the verifier's position replaced by the verifier's own token.
 
-Logits processors are applied at each verified position with the exact prefix, as in AR decoding,
-and stopping criteria are checked after every emitted token, so greedy output equals greedy AR
-output token for token (an EOS inside an accepted draft stops generation right there).
+Logits processors run at every verified position with that position's exact prefix, and stopping
+criteria are checked after every emitted token, so greedy output equals greedy AR output token for
+token and sampled output has AR sampling's distribution.
 """
 
 from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..cache import DraftCache
-from ..masks import tidar_decode_layout, tidar_prefill_layout
+from ..masks import DecodeStepMasks, tidar_prefill_layout
+from .acceptance import Scorer, accept_draft, choose, mix_verifier
+from .auto_layout import AutoLayout
+from .layout import DraftLayout
 from .outputs import StrategyGenerateOutput
 
+#: squeeze holes out of a batched cache once it is this much longer than its longest row
+COMPACTION_SLACK = 64
 
-class _Transcript:
-    """The growing sequence of one row: emits tokens one at a time, as AR decoding would."""
 
-    def __init__(self, input_ids, stopping_criteria, streamer, keep_scores: bool, keep_logits: bool):
-        self.sequence = input_ids
+@dataclass
+class Row:
+    """One sequence of the batch: its tokens so far and what TiDAR did for it."""
+
+    ids: torch.Tensor  # [1, capacity] token buffer; ids[:, :length] is the sequence so far
+    length: int
+    scores: list[torch.Tensor] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def sequence(self) -> torch.Tensor:
+        """``[1, length]`` view of the tokens so far (prompt included)."""
+        return self.ids[:, : self.length]
+
+
+@dataclass
+class Drafts:
+    """The next block of one row: tokens ``d_0..d_{m-1}`` and the processed scores that proposed them."""
+
+    tokens: list[int]
+    scores: torch.Tensor | None  # [m, V]; row 0 unused (d_0 came from the verifier)
+
+
+class TidarDecoder:
+    """State and steps of one ``generate(strategy="tidar")`` call (left-padded batch)."""
+
+    def __init__(self, model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
+                 streamer, layout: DraftLayout | AutoLayout, verifier_weight: float):
+        self.model = model
+        self.mask_id = model.require_mask_token_id()
+        self.scorer = Scorer(logits_processor)
         self.stopping_criteria = stopping_criteria
+        self.config = generation_config
+        self.do_sample = bool(generation_config.do_sample)
         self.streamer = streamer
-        self.scores: list[torch.Tensor] | None = [] if keep_scores else None
-        self.logits: list[torch.Tensor] | None = [] if keep_logits else None
-        self.finished = False
+        self.verifier_weight = verifier_weight
+        self.auto = layout if isinstance(layout, AutoLayout) else None
+        self.layout = self.auto.choose() if self.auto else layout
+        self.step_masks: dict[DraftLayout, DecodeStepMasks] = {}
+        self.keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
+        self.keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
+        self.attn_impl = model.model.config._attn_implementation
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.device = input_ids.device
+        self.attention_mask = attention_mask
+        capacity = max(int(generation_config.max_length or 0), input_ids.shape[1]) + model.config.block_size + 1
+        self.rows = [Row(ids=self._buffer(row, capacity), length=input_ids.shape[1]) for row in input_ids]
+        self.cache = DraftCache(config=model.config.get_text_config())
 
-    def emit(self, token: torch.Tensor, scores: torch.Tensor, logits: torch.Tensor) -> bool:
-        """Append ``token`` ([1] long), record its scores, and return whether generation must stop."""
-        self.sequence = torch.cat([self.sequence, token.view(1, 1)], dim=-1)
-        if self.scores is not None:
-            self.scores.append(scores)
-        if self.logits is not None:
-            self.logits.append(logits)
+    def _buffer(self, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
+        ids = torch.zeros(1, capacity, dtype=torch.long, device=prompt.device)
+        ids[0, : prompt.shape[0]] = prompt
+        return ids
+
+    # -- emitting tokens ------------------------------------------------------------------------------
+
+    def emit(self, row: Row, token: int, scores: torch.Tensor, logits: torch.Tensor) -> bool:
+        """Append one token to ``row`` exactly as AR decoding would; returns whether the row must stop."""
+        row.ids[0, row.length] = token
+        row.length += 1
+        if self.keep_scores:
+            row.scores.append(scores)
+        if self.keep_logits:
+            row.logits.append(logits)
         if self.streamer is not None:
-            self.streamer.put(token.view(1).cpu())
-        self.finished = bool(self.stopping_criteria(self.sequence, scores).any())
-        return self.finished
+            self.streamer.put(torch.tensor([token]))
+        row.finished = bool(self.stopping_criteria(row.sequence, scores[None]).any())
+        return row.finished
 
+    # -- drafting -------------------------------------------------------------------------------------
 
-def _verifier_token(model, hidden: torch.Tensor, transcript: _Transcript, processors) -> tuple[torch.Tensor, ...]:
-    """The AR choice after the last emitted token, from the hidden state at that token."""
-    logits = model.lm_head(hidden).float()
-    scores = processors(transcript.sequence, logits)
-    return scores.argmax(dim=-1), scores, logits
+    def draft(self, row: Row, first: int, slot_logits: torch.Tensor) -> Drafts:
+        """Drafts ``d_1..`` from diffusion slot logits, after ``d_0 = first`` (already emitted)."""
+        tokens, rows_scores = [first], [slot_logits.new_zeros(slot_logits.shape[-1]).float()]
+        if slot_logits.shape[0] and self.scorer.position_free:
+            scores = self.scorer.many(row.sequence, slot_logits)
+            tokens += choose(scores, self.do_sample).tolist()
+            return Drafts(tokens, torch.cat([rows_scores[0][None], scores]))
+        # Position-dependent processors: each slot is processed with the drafts before it appended.
+        prefix = row.sequence
+        for logits in slot_logits:
+            scores = self.scorer.one(prefix, logits)
+            token = int(choose(scores, self.do_sample))
+            tokens.append(token)
+            rows_scores.append(scores)
+            prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
+        return Drafts(tokens, torch.stack(rows_scores))
 
+    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Diffusion logits of slots, never proposing ``[MASK]`` itself."""
+        logits = self.model.lm_head(hidden).float()
+        logits[..., self.mask_id] = float("-inf")
+        return logits
 
-def _draft_tokens(model, hidden: torch.Tensor) -> torch.Tensor:
-    """Argmax of diffusion slots, never the ``[MASK]`` token itself."""
-    logits = model.lm_head(hidden).float()
-    logits[..., model.config.mask_token_id] = float("-inf")
-    return logits.argmax(dim=-1)
+    # -- verification ---------------------------------------------------------------------------------
+
+    def verify(self, row: Row, drafts: Drafts, ar_logits: torch.Tensor) -> int:
+        """Verify one row's drafts against its AR logits ``[k, V]``; emit tokens; return tokens emitted."""
+        start = row.length
+        m = len(drafts.tokens)
+        fast = self.scorer.position_free and self.verifier_weight == 1.0 and not self.do_sample
+        if fast:  # greedy, processors position-free: every position at once, one host sync
+            ar_scores = self.scorer.many(row.sequence, ar_logits[:m])
+            best = ar_scores.argmax(-1).tolist()
+        accepted = 1
+        while not row.finished:
+            if fast:
+                scores = ar_scores[accepted - 1]
+            else:
+                scores = self.scorer.one(row.sequence, ar_logits[accepted - 1])
+            raw = ar_logits[accepted - 1]
+            if accepted == m:  # every draft accepted: the bonus token comes from the target alone
+                target = mix_verifier(scores, None, self.verifier_weight)
+                self.emit(row, int(choose(target, self.do_sample)), scores, raw)
+                break
+            draft_scores = drafts.scores[accepted]
+            target = mix_verifier(scores, draft_scores, self.verifier_weight)
+            if fast:
+                ok, replacement = best[accepted - 1] == drafts.tokens[accepted], best[accepted - 1]
+            else:
+                ok, replacement = accept_draft(target, draft_scores, drafts.tokens[accepted], self.do_sample)
+            if not ok:
+                self.emit(row, int(replacement), scores, raw)
+                break
+            self.emit(row, drafts.tokens[accepted], scores, raw)
+            accepted += 1
+        return row.length - start
+
+    # -- the passes -----------------------------------------------------------------------------------
+
+    def prefill(self, input_ids: torch.Tensor) -> tuple[list[Drafts], torch.Tensor]:
+        """Prompt + one mask group: each row's first token (AR) and first draft block (diffusion)."""
+        k = self.layout.draft_len
+        layout = tidar_prefill_layout(self.attention_mask, k)
+        masks = torch.full((input_ids.shape[0], k), self.mask_id, dtype=torch.long, device=self.device)
+        hidden = self.model.structured_hidden_states(torch.cat([input_ids, masks], dim=1), layout, self.cache)
+        prompt_len = input_ids.shape[1]
+        self.cache.keep_first(prompt_len)
+        ar_logits = self.model.lm_head(hidden[:, prompt_len - 1]).float()
+        slots = self.slot_logits(hidden[:, prompt_len + 1 :])
+        all_drafts = []
+        for index, row in enumerate(self.rows):
+            scores = self.scorer.one(row.sequence, ar_logits[index])
+            first = int(choose(scores, self.do_sample))
+            self.emit(row, first, scores, ar_logits[index])
+            all_drafts.append(self.draft(row, first, slots[index]))
+        return all_drafts, self.attention_mask.bool()
+
+    def step(self, active: list[int], drafts: list[Drafts], prefix_valid: torch.Tensor) -> tuple[list, torch.Tensor]:
+        """One forward pass for the active rows; returns their next drafts and the new cache validity."""
+        layout = self.layout
+        k = layout.draft_len
+        masks = self.step_masks.setdefault(layout, DecodeStepMasks(k, layout.groups, self.device))
+        draft_tokens = torch.tensor(
+            [d.tokens + [d.tokens[-1]] * (k - len(d.tokens)) for d in drafts], device=self.device
+        )  # a row with fewer than k drafts pads with filler: its extra slots are never accepted
+        query = torch.cat([draft_tokens, draft_tokens.new_full((len(active), k * len(layout.groups)), self.mask_id)], 1)
+        hidden = self.model.structured_hidden_states(
+            query, None, self.cache, mask=masks.render(prefix_valid, self.attn_impl, self.dtype),
+            position_ids=masks.position_ids(prefix_valid),
+        )
+        ar_logits = self.model.lm_head(hidden[:, :k]).float()
+        emitted = []
+        for index, row_id in enumerate(active):
+            row = self.rows[row_id]
+            count = self.verify(row, drafts[index], ar_logits[index])
+            row.accepted.append(count)
+            emitted.append(count)
+            if self.auto:
+                self.auto.observe(len(drafts[index].tokens), count)
+        most = max(emitted)
+        self.cache.keep_first(prefix_valid.shape[1] + most)
+        new_valid = torch.arange(most, device=self.device)[None] < torch.tensor(emitted, device=self.device)[:, None]
+        prefix_valid = torch.cat([prefix_valid, new_valid], dim=1)
+
+        next_drafts = []
+        for index, row_id in enumerate(active):
+            row = self.rows[row_id]
+            if row.finished:
+                next_drafts.append(None)
+                continue
+            accepted = emitted[index]
+            group = layout.source_group(accepted)
+            first_slot = layout.group_start(group) + (accepted - group)  # the verifier's position
+            slots = self.slot_logits(hidden[index, first_slot + 1 : layout.group_start(group) + k])
+            next_drafts.append(self.draft(row, int(row.ids[0, row.length - 1]), slots))
+        return next_drafts, prefix_valid
+
+    def run(self, input_ids: torch.Tensor) -> None:
+        """Decode until every row has stopped."""
+        if self.streamer is not None:
+            self.streamer.put(input_ids.cpu())
+        drafts, prefix_valid = self.prefill(input_ids)
+        active = [i for i, row in enumerate(self.rows) if not row.finished]
+        if not active:
+            return self._end_stream()
+        drafts = [drafts[i] for i in active]
+        prefix_valid = self._select(prefix_valid, active, list(range(len(self.rows))))
+        while active:
+            if self.auto:
+                self.layout = self.auto.choose()
+            drafts = [self._fit(d) for d in drafts]
+            drafts, prefix_valid = self.step(active, drafts, prefix_valid)
+            still = [i for i, row_id in enumerate(active) if not self.rows[row_id].finished]
+            if not still:
+                break
+            if len(still) < len(active):
+                prefix_valid = self._select(prefix_valid, [active[i] for i in still], active)
+                drafts = [drafts[i] for i in still]
+                active = [active[i] for i in still]
+            prefix_valid = self._maybe_compact(prefix_valid)
+        self._end_stream()
+
+    def _end_stream(self) -> None:
+        if self.streamer is not None:
+            self.streamer.end()
+
+    def _fit(self, drafts: Drafts) -> Drafts:
+        """Trim a draft block to the current layout's draft length (it changes under ``draft_layout="auto"``)."""
+        k = self.layout.draft_len
+        if len(drafts.tokens) <= k:
+            return drafts
+        return Drafts(drafts.tokens[:k], drafts.scores[:k] if drafts.scores is not None else None)
+
+    def _select(self, prefix_valid: torch.Tensor, keep: list[int], current: list[int]) -> torch.Tensor:
+        """Drop finished rows from the batch: they stop costing work."""
+        if keep == current:
+            return prefix_valid
+        index = torch.tensor([current.index(row) for row in keep], device=self.device)
+        self.cache.batch_select_indices(index)
+        return prefix_valid[index]
+
+    def _maybe_compact(self, prefix_valid: torch.Tensor) -> torch.Tensor:
+        """Gather each row's valid cached tokens to the right once holes waste too much memory."""
+        longest = int(prefix_valid.sum(-1).max())
+        if prefix_valid.shape[1] <= longest + COMPACTION_SLACK:
+            return prefix_valid
+        order = torch.sort(prefix_valid.long(), dim=-1, stable=True).indices  # holes first, then tokens in order
+        index = order[:, -longest:]
+        self.cache.gather_tokens(index)
+        return prefix_valid.gather(1, index)
+
+    # -- result ---------------------------------------------------------------------------------------
+
+    def result(self, prompt_len: int):
+        """``sequences`` right-padded with the pad token, as transformers' batched generate returns them."""
+        longest = max(row.length for row in self.rows)
+        pad = self.config._pad_token_tensor
+        if pad is None and any(row.length < longest for row in self.rows):
+            raise ValueError("Rows finished at different lengths and there is no pad_token_id to fill them; set one.")
+        sequences = torch.full((len(self.rows), longest), int(pad) if pad is not None else 0, device=self.device)
+        for index, row in enumerate(self.rows):
+            sequences[index, : row.length] = row.sequence[0]
+        if not self.config.return_dict_in_generate:
+            return sequences
+        k_max = max([self.model.config.block_size, *(n for row in self.rows for n in row.accepted)])
+        histogram = torch.zeros(len(self.rows), k_max + 1, dtype=torch.long)
+        for index, row in enumerate(self.rows):
+            for n in row.accepted:
+                histogram[index, n] += 1
+        return StrategyGenerateOutput(
+            sequences=sequences,
+            scores=self._per_step("scores", longest - prompt_len) if self.keep_scores else None,
+            logits=self._per_step("logits", longest - prompt_len) if self.keep_logits else None,
+            forward_passes=torch.tensor([len(row.accepted) for row in self.rows], device=self.device),
+            accepted_lengths=[row.accepted for row in self.rows],
+            accepted_length_histogram=histogram,
+        )
+
+    def _per_step(self, name: str, steps: int) -> tuple[torch.Tensor, ...]:
+        """Per generated position ``[batch, V]`` tensors; rows that had already stopped get zeros."""
+        per_row = [getattr(row, name) for row in self.rows]
+        vocab = next(t.shape[-1] for rows in per_row for t in rows)
+        zeros = torch.zeros(vocab, device=self.device)
+        return tuple(torch.stack([r[t] if t < len(r) else zeros for r in per_row]) for t in range(steps))
 
 
 def tidar_decode(
@@ -70,68 +322,46 @@ def tidar_decode(
     stopping_criteria: StoppingCriteriaList,
     generation_config,
     streamer=None,
+    draft_length: int | None = None,
+    draft_groups: list[int] | None = None,
+    draft_layout: str | None = None,
+    verifier_weight: float = 1.0,
+    tokenizer=None,
     **model_kwargs,
-) -> StrategyGenerateOutput | torch.LongTensor:
-    """Greedy TiDAR decoding loop (batch size 1), called by ``generate(strategy="tidar")``."""
-    k = model.config.block_size
-    mask_id = model.require_mask_token_id()
-    device = input_ids.device
+):
+    """The ``generate(strategy="tidar")`` loop (transformers calls it through ``custom_generate``).
+
+    Extra ``generate`` arguments:
+        draft_length: drafts per pass ``k`` (default and maximum: the trained block size).
+        draft_groups: which pre-draft groups to compute (default: all ``1..k``; must contain 1).
+        draft_layout: ``"auto"`` picks ``(k, groups)`` from this hardware's measured forward cost and the
+            running acceptance statistics (see :mod:`.auto_layout`).
+        verifier_weight: ``beta`` of the mixed verifier; 1 (default) is exact AR verification.
+        tokenizer: as in ``generate`` (``stop_strings`` needs it); named here so transformers hands it on.
+    """
+    layout = resolve_layout(model, draft_length, draft_groups, draft_layout, input_ids.shape[0])
+    if verifier_weight != 1.0:
+        warnings.warn(
+            f"verifier_weight={verifier_weight} mixes the diffusion drafts into verification: the output is no "
+            "longer exactly the AR model's (only verifier_weight=1.0 is).",
+            stacklevel=3,
+        )
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    prompt_len = input_ids.shape[1]
-    transcript = _Transcript(
-        input_ids,
-        stopping_criteria,
-        streamer,
-        keep_scores=bool(generation_config.return_dict_in_generate and generation_config.output_scores),
-        keep_logits=bool(generation_config.return_dict_in_generate and generation_config.output_logits),
-    )
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
-    cache = DraftCache(config=model.config.get_text_config())
-    masks = torch.full((1, k * k), mask_id, dtype=torch.long, device=device)
+    decoder = TidarDecoder(model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
+                           streamer, layout, verifier_weight)
+    decoder.run(input_ids)
+    return decoder.result(input_ids.shape[1])
 
-    # Prefill: the prompt plus one group of k masks drafting the block after it.
-    layout = tidar_prefill_layout(attention_mask, k)
-    hidden = model.structured_hidden_states(torch.cat([input_ids, masks[:, :k]], dim=1), layout, cache)
-    cache.keep_first(prompt_len)
-    token, scores, logits = _verifier_token(model, hidden[:, prompt_len - 1], transcript, logits_processor)
-    drafts = torch.cat([token, _draft_tokens(model, hidden[0, prompt_len + 1 :])])
-    transcript.emit(token, scores, logits)
 
-    accepted_lengths: list[int] = []
-    prefix_valid = attention_mask.bool()
-    while not transcript.finished:
-        cached = cache.get_seq_length()
-        layout = tidar_decode_layout(prefix_valid, k)
-        hidden = model.structured_hidden_states(torch.cat([drafts[None], masks], dim=1), layout, cache)
-        accepted = 1  # d_0 is always kept: the verifier chose it in the previous pass
-        while not transcript.finished:
-            token, scores, logits = _verifier_token(model, hidden[:, accepted - 1], transcript, logits_processor)
-            is_draft = accepted < k and bool(token == drafts[accepted])
-            transcript.emit(token, scores, logits)
-            if not is_draft:
-                break
-            accepted += 1
-        emitted = transcript.sequence.shape[1] - prompt_len - sum(accepted_lengths) - 1
-        accepted_lengths.append(emitted)
-        if transcript.finished:
-            break
-        cache.keep_first(cached + accepted)
-        prefix_valid = torch.cat([prefix_valid, prefix_valid.new_ones(1, accepted)], dim=1)
-        group = hidden[0, k * accepted : k * (accepted + 1)]  # group j = accepted, after the k drafts
-        drafts = torch.cat([token, _draft_tokens(model, group[1:])])
-
-    if streamer is not None:
-        streamer.end()
-    if not generation_config.return_dict_in_generate:
-        return transcript.sequence
-    return StrategyGenerateOutput(
-        sequences=transcript.sequence,
-        scores=tuple(transcript.scores) if transcript.scores is not None else None,
-        logits=tuple(transcript.logits) if transcript.logits is not None else None,
-        cache=cache,
-        forward_passes=torch.tensor([len(accepted_lengths)], device=device),
-        accepted_lengths=[accepted_lengths],
-    )
+def resolve_layout(model, draft_length, draft_groups, draft_layout, batch_size: int) -> DraftLayout | AutoLayout:
+    """The layout for this call: a fixed :class:`DraftLayout`, or the model's :class:`AutoLayout`."""
+    block_size = model.config.block_size
+    if draft_layout is None:
+        return DraftLayout.build(draft_length or block_size, draft_groups, block_size)
+    if draft_layout != "auto":
+        raise ValueError(f"draft_layout must be None or 'auto', got {draft_layout!r}.")
+    if draft_length is not None or draft_groups is not None:
+        raise ValueError("draft_layout='auto' chooses draft_length and draft_groups itself; pass neither.")
+    return AutoLayout.for_model(model, batch_size)

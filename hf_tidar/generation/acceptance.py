@@ -1,0 +1,107 @@
+"""Choosing tokens: logits processing, drafting, and verification (greedy or speculative sampling).
+
+Verification follows speculative sampling (Leviathan et al. 2023; Chen et al. 2023): a draft ``d``
+proposed with probability ``q(d)`` is accepted with probability ``min(1, p(d) / q(d))`` where ``p`` is
+the target (the AR distribution after the logits processors); on rejection the token is drawn from the
+normalised residual ``max(0, p - q)``; when every draft is accepted the bonus token is drawn from
+``p``. The output then has exactly the distribution of sampling from ``p`` token by token. Greedy
+decoding is the limit where ``p`` and ``q`` are one-hot: accept iff ``argmax p == d``.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitsProcessorList,
+    MinPLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+from transformers.generation.logits_process import InfNanRemoveLogitsProcessor
+
+from .processors import MaskTokenSuppressor
+
+#: processors whose output does not depend on ``input_ids``: they can run on many positions at once
+POSITION_FREE = (
+    MaskTokenSuppressor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    SuppressTokensLogitsProcessor,
+    InfNanRemoveLogitsProcessor,
+)
+
+
+class Scorer:
+    """Applies the logits processors exactly as AR decoding would at each position.
+
+    Position-dependent processors (repetition penalty, n-gram bans, min length, ...) are called once
+    per position with that position's exact prefix; when every processor is position-free, many
+    positions are processed in one call.
+    """
+
+    def __init__(self, processors: LogitsProcessorList):
+        self.processors = processors
+        self.position_free = all(isinstance(p, POSITION_FREE) for p in processors)
+
+    def one(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Scores ``[V]`` of one position whose prefix is ``prefix`` (``[1, length]``)."""
+        return self.processors(prefix, logits.float()[None])[0]
+
+    def many(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Scores ``[n, V]`` of ``n`` consecutive positions, the first one after ``prefix``.
+
+        Position ``i`` sees ``prefix`` plus the tokens chosen before it — which the caller does not know
+        yet — so this is only valid when ``position_free``.
+        """
+        assert self.position_free
+        return self.processors(prefix.expand(logits.shape[0], -1), logits.float())
+
+
+def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Greedy argmax or a sample from ``softmax(scores)`` (last dimension)."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(-1)
+
+
+def mix_verifier(ar_scores: torch.Tensor, draft_scores: torch.Tensor | None, weight: float) -> torch.Tensor:
+    """The paper's mixed verifier ``weight * AR + (1 - weight) * diffusion`` in log-probability space.
+
+    ``weight == 1`` is the exact AR verifier. Positions without a diffusion prediction use AR alone.
+    """
+    if weight == 1.0 or draft_scores is None:
+        return ar_scores
+    mixed = weight * torch.log_softmax(ar_scores, -1) + (1 - weight) * torch.log_softmax(draft_scores, -1)
+    return torch.nan_to_num(mixed, nan=float("-inf"))
+
+
+def accept_draft(
+    target: torch.Tensor, draft_scores: torch.Tensor, draft: int, do_sample: bool
+) -> tuple[bool, torch.Tensor | None]:
+    """Decide one draft token against the target scores.
+
+    Returns ``(accepted, replacement)``; on rejection ``replacement`` is the token to emit instead:
+    the target's argmax (greedy) or a draw from the normalised residual ``max(0, p - q)`` (sampling).
+    """
+    if not do_sample:
+        best = target.argmax(dim=-1)
+        return bool(best == draft), best
+    p = torch.softmax(target, dim=-1)
+    q = torch.softmax(draft_scores, dim=-1)
+    if torch.rand((), device=p.device) * q[draft] <= p[draft]:  # accept with probability min(1, p/q)
+        return True, None
+    residual = (p - q).clamp_min(0)
+    total = residual.sum()
+    if total <= 0:  # p == q up to rounding: the residual is empty, any draw from p is exact
+        residual, total = p, p.sum()
+    return False, torch.multinomial(residual / total, num_samples=1).squeeze(-1)

@@ -1,0 +1,59 @@
+"""Draft layouts: how many tokens to draft (``k``) and which pre-draft groups to compute.
+
+A TiDAR pass costs ``k + k * len(groups)`` query tokens. Group ``j`` holds the next block's drafts for
+"the first ``j`` drafts are accepted". With every group ``1..k`` (the paper's layout) the next block is
+always a full ``k`` drafts; with a subset, an accepted count ``a`` without a group of its own uses the
+largest computed group ``j < a``, whose slots from position ``p + a`` on are still valid drafts — the
+next block is then only ``k - (a - j)`` drafts long. Every layout is exact; they trade compute per pass
+against tokens per pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DraftLayout:
+    """Draft length ``k`` and the sorted pre-draft groups (always containing group 1)."""
+
+    draft_len: int
+    groups: tuple[int, ...]
+
+    @classmethod
+    def build(cls, draft_len: int, groups: Sequence[int] | None, block_size: int) -> DraftLayout:
+        """Validate user input into a layout.
+
+        Raises:
+            ValueError: ``draft_len`` outside ``1..block_size``, or an empty / invalid group set.
+        """
+        if not isinstance(draft_len, int) or not 1 <= draft_len <= block_size:
+            raise ValueError(
+                f"draft_length must be an integer in 1..{block_size} (the model's trained block size), got {draft_len!r}."
+            )
+        if groups is None:
+            return cls(draft_len, tuple(range(1, draft_len + 1)))
+        chosen = sorted(set(groups))
+        if not chosen or any(not isinstance(g, int) or not 1 <= g <= draft_len for g in chosen) or chosen[0] != 1:
+            raise ValueError(
+                f"draft_groups must be a non-empty set of integers in 1..{draft_len} that contains 1, got {groups!r}."
+            )
+        return cls(draft_len, tuple(chosen))
+
+    @property
+    def query_len(self) -> int:
+        """Query tokens of one pass: the drafts plus every group's masks."""
+        return self.draft_len * (1 + len(self.groups))
+
+    def source_group(self, accepted: int) -> int:
+        """The group that drafts the next block after ``accepted`` drafts: the largest ``j <= accepted``."""
+        return max(g for g in self.groups if g <= accepted)
+
+    def group_start(self, group: int) -> int:
+        """Query index of the first slot of ``group``."""
+        return self.draft_len * (1 + self.groups.index(group))
+
+    def next_draft_len(self, accepted: int) -> int:
+        """How many drafts the next block holds after ``accepted`` drafts were accepted."""
+        return self.draft_len - (accepted - self.source_group(accepted))

@@ -1,0 +1,307 @@
+"""TiDAR decoding beyond greedy batch-1: sampling, batches, layouts, streaming, stopping rules."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from toy import counting_batch, tiny_ar_model
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
+
+import hf_tidar.generation.acceptance as acceptance
+import hf_tidar.generation.tidar as tidar_loop
+from hf_tidar import TidarForCausalLM
+from hf_tidar.generation.auto_layout import AutoLayout, expected_tokens_per_pass
+from hf_tidar.generation.layout import DraftLayout
+from hf_tidar.training import byte_level_tokenizer
+
+
+def _copy(model, **config_changes):
+    clone = copy.copy(model)
+    clone.config = copy.deepcopy(model.config)
+    clone.generation_config = copy.deepcopy(model.generation_config)
+    for name, value in config_changes.items():
+        setattr(clone.config, name, value)
+    return clone
+
+
+def _random_prompts(lengths, vocab, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=generator) for n in lengths]
+
+
+def _left_pad(prompts, pad=0):
+    longest = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, longest - len(p) :] = p
+        mask[i, longest - len(p) :] = 1
+    return ids, mask
+
+
+# -- sampling ---------------------------------------------------------------------------------------
+
+
+def _chi_square_p_value(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float:
+    """Two-sample chi-square test of homogeneity (cells with no observation dropped)."""
+    keep = (counts_a + counts_b) > 0
+    a, b = counts_a[keep].double(), counts_b[keep].double()
+    total = a + b
+    expected_a = total * a.sum() / total.sum()
+    expected_b = total * b.sum() / total.sum()
+    statistic = ((a - expected_a) ** 2 / expected_a + (b - expected_b) ** 2 / expected_b).sum()
+    dof = torch.tensor(float(keep.sum() - 1))
+    return float(torch.special.gammaincc(dof / 2, statistic / 2))
+
+
+def _first_tokens_histogram(model, prompt, samples, strategy, vocab, steps=2, **kwargs):
+    torch.manual_seed(1234)
+    out = model.generate(prompt, do_sample=True, max_new_tokens=steps, num_return_sequences=samples,
+                         strategy=strategy, eos_token_id=None, **kwargs)
+    new = out[:, prompt.shape[1] :]
+    codes = sum(new[:, i] * vocab**i for i in range(steps))
+    return torch.bincount(codes, minlength=vocab**steps)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_model():
+    """Vocabulary of 4: first-two-token distributions have 16 outcomes, easy to compare."""
+    ar = tiny_ar_model("llama", vocab_size=4, seed=3)
+    with torch.no_grad():  # sharper than random init, so that wrong acceptance rules show
+        ar.lm_head.weight.mul_(12)
+    model = TidarForCausalLM.from_ar(ar, block_size=3)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a [MASK] embedding whose drafts differ clearly from the AR distribution
+        model.model.embed_tokens.weight[model.config.mask_token_id].normal_(0, 1)
+    return model
+
+
+@pytest.mark.parametrize("warpers", [dict(), dict(temperature=0.8, top_k=3), dict(repetition_penalty=1.5)])
+def test_sampling_has_the_ar_distribution(tiny_vocab_model, warpers):
+    prompt = torch.tensor([[1, 2, 3, 0, 2]])
+    ar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "ar", vocab=4, **warpers)
+    tidar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "tidar", vocab=4, **warpers)
+    assert _chi_square_p_value(ar, tidar) > 1e-3, (ar, tidar)
+
+
+def test_a_wrong_acceptance_rule_fails_the_distribution_test(tiny_vocab_model, monkeypatch):
+    """Accepting a draft with probability p(d) (instead of min(1, p/q)) biases the output: the test sees it."""
+
+    def accept_with_p(target, draft_scores, draft, do_sample):
+        p = torch.softmax(target, dim=-1)
+        if torch.rand(()) <= p[draft]:
+            return True, None
+        return False, torch.multinomial(p, 1).squeeze(-1)
+
+    prompt = torch.tensor([[1, 2, 3, 0, 2]])
+    ar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "ar", vocab=4)
+    monkeypatch.setattr(tidar_loop, "accept_draft", accept_with_p)
+    wrong = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "tidar", vocab=4)
+    assert _chi_square_p_value(ar, wrong) < 1e-6
+
+
+def test_drafts_are_really_verified_when_sampling(tiny_vocab_model):
+    torch.manual_seed(0)
+    out = tiny_vocab_model.generate(torch.tensor([[1, 2, 3]]), do_sample=True, max_new_tokens=40, strategy="tidar",
+                                    return_dict_in_generate=True, eos_token_id=None)
+    assert max(out.accepted_lengths[0]) >= 2  # some drafts accepted: the speculative path ran
+
+
+def test_seeded_sampling_is_reproducible(tiny_vocab_model):
+    prompt = torch.tensor([[1, 2, 3]])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        runs.append(tiny_vocab_model.generate(prompt, do_sample=True, max_new_tokens=12, strategy="tidar",
+                                              num_return_sequences=4, eos_token_id=None))
+    assert torch.equal(*runs) and not torch.equal(runs[0][0], runs[0][1])
+
+
+def test_mixed_verifier_warns_and_weight_one_is_exact(counting_model):
+    prompt = counting_batch(1, 4, 32, torch.Generator().manual_seed(0))
+    expected = counting_model.generate(prompt, max_new_tokens=12, eos_token_id=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        exact = counting_model.generate(prompt, max_new_tokens=12, strategy="tidar", verifier_weight=1.0,
+                                        eos_token_id=None)
+    assert torch.equal(exact, expected)
+    with pytest.warns(UserWarning, match="no longer exactly"):
+        mixed = counting_model.generate(prompt, max_new_tokens=12, strategy="tidar", verifier_weight=0.0,
+                                        eos_token_id=None)
+    assert mixed.shape == expected.shape
+
+
+# -- batches ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["random", "counting"])
+def test_batched_greedy_equals_each_row_alone(which, counting_model):
+    if which == "random":
+        model = TidarForCausalLM.from_ar(tiny_ar_model("qwen2"), block_size=3)
+        vocab, eos = 64, None
+    else:
+        model, vocab = counting_model, 32
+    prompts = _random_prompts([3, 9, 1, 6], vocab, seed=5)
+    if which == "counting":  # rows run into EOS at different times
+        prompts[1] = counting_batch(1, 5, 32, torch.Generator().manual_seed(1))[0]
+        eos = int((prompts[1][-1] + 4) % 32)
+    ids, mask = _left_pad(prompts)
+    kwargs = dict(max_new_tokens=17, eos_token_id=eos, pad_token_id=0)
+    out = model.generate(ids, attention_mask=mask, strategy="tidar", return_dict_in_generate=True, **kwargs)
+    for index, prompt in enumerate(prompts):
+        alone = model.generate(prompt[None], strategy="tidar", return_dict_in_generate=True, **kwargs)
+        reference = model.generate(prompt[None], **kwargs)
+        assert torch.equal(alone.sequences, reference)
+        new_tokens = alone.sequences[0, len(prompt) :]
+        row = out.sequences[index, ids.shape[1] : ids.shape[1] + len(new_tokens)]
+        assert torch.equal(row, new_tokens), index
+        assert (out.sequences[index, ids.shape[1] + len(new_tokens) :] == 0).all()  # padded after it stopped
+        assert out.accepted_lengths[index] == alone.accepted_lengths[0]
+    if which == "counting":
+        assert out.forward_passes[1] < out.forward_passes.max()  # the early row stopped costing passes
+
+
+def test_holes_are_compacted_without_changing_the_output(counting_model, monkeypatch):
+    monkeypatch.setattr(tidar_loop, "COMPACTION_SLACK", 1)
+    gathers = []
+    original = tidar_loop.DraftCache.gather_tokens
+    monkeypatch.setattr(tidar_loop.DraftCache, "gather_tokens", lambda self, i: gathers.append(i) or original(self, i))
+    prompts = _random_prompts([4, 2, 7], 32, seed=9)
+    ids, mask = _left_pad(prompts)
+    out = counting_model.generate(ids, attention_mask=mask, strategy="tidar", max_new_tokens=30, eos_token_id=None)
+    for index, prompt in enumerate(prompts):
+        alone = counting_model.generate(prompt[None], max_new_tokens=30, eos_token_id=None)
+        assert torch.equal(out[index, ids.shape[1] :], alone[0, len(prompt) :])
+    assert gathers  # holes did build up and were squeezed out
+
+
+# -- layouts ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "draft_length,groups", [(1, [1]), (2, [1]), (3, [1, 2]), (4, [1]), (4, [1, 3]), (4, [1, 2, 4]), (4, None)]
+)
+def test_every_layout_is_exact(counting_model, draft_length, groups):
+    for seed in range(3):
+        prompt = torch.randint(0, 32, (1, 3 + seed), generator=torch.Generator().manual_seed(seed))
+        expected = counting_model.generate(prompt, max_new_tokens=23, eos_token_id=None)
+        out = counting_model.generate(prompt, max_new_tokens=23, eos_token_id=None, strategy="tidar",
+                                      draft_length=draft_length, draft_groups=groups, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, expected)
+        assert max(out.accepted_lengths[0]) <= draft_length
+
+
+def test_auto_layout_is_exact_and_uses_statistics(counting_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    model = _copy(counting_model)
+    prompt = counting_batch(1, 5, 32, torch.Generator().manual_seed(2))
+    expected = model.generate(prompt, max_new_tokens=40, eos_token_id=None)
+    out = model.generate(prompt, max_new_tokens=40, eos_token_id=None, strategy="tidar", draft_layout="auto",
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected)
+    chooser = model._tidar_auto_layout
+    assert list(tmp_path.glob("profiles/*.json"))  # the cost curve is cached on disk
+    assert sum(chooser.stats.trials) > 0 and chooser.stats.alpha(1) > 0.7  # counting drafts are mostly right
+
+
+def test_auto_layout_prefers_long_drafts_only_when_they_are_accepted():
+    flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}  # free token slots (a GPU)
+    steep = {q: float(q) for q in (1, 2, 4, 8, 16, 32, 64, 128)}  # every slot costs (a tiny CPU)
+    good, bad = AutoLayout(flat, 8), AutoLayout(steep, 8)
+    for chooser, emitted in ((good, 8), (bad, 1)):
+        for _ in range(200):
+            chooser.observe(8, emitted)
+    assert good.choose().draft_len == 8 and bad.choose().draft_len == 1
+
+
+def test_expected_tokens_per_pass_matches_simple_cases():
+    always = [1.0] * 9
+    assert expected_tokens_per_pass(DraftLayout(4, (1, 2, 3, 4)), always) == pytest.approx(4.0)
+    never = [1.0] + [0.0] * 8
+    assert expected_tokens_per_pass(DraftLayout(4, (1,)), never) == pytest.approx(1.0)
+    half = [1.0] + [0.5] * 8
+    assert expected_tokens_per_pass(DraftLayout(2, (1, 2)), half) == pytest.approx(1.5)
+
+
+# -- generate() conventions ------------------------------------------------------------------------
+
+
+def test_streamer_text_equals_the_decoded_result(capsys):
+    tokenizer = byte_level_tokenizer()
+    model = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=len(tokenizer)), block_size=3,
+                                     tokenizer=tokenizer)
+    prompt = tokenizer("def main():", return_tensors="pt")["input_ids"]
+    capsys.readouterr()
+    out = model.generate(prompt, max_new_tokens=15, strategy="tidar", eos_token_id=None,
+                         streamer=TextStreamer(tokenizer))
+    streamed = capsys.readouterr().out
+    assert streamed == tokenizer.decode(out[0]) + "\n"
+
+
+def test_eos_list_stop_strings_and_custom_criteria_match_ar(counting_model):
+    prompt = counting_batch(1, 4, 32, torch.Generator().manual_seed(6))
+    last = int(prompt[0, -1])
+
+    class StopAt(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == (last + 9) % 32
+
+    cases = [
+        dict(eos_token_id=[(last + 20) % 32, (last + 7) % 32]),
+        dict(eos_token_id=None, stopping_criteria=StoppingCriteriaList([StopAt()])),
+        dict(eos_token_id=None, max_length=prompt.shape[1] + 6),
+    ]
+    for kwargs in cases:
+        kwargs.setdefault("max_new_tokens", None) if "max_length" in kwargs else kwargs.setdefault("max_new_tokens", 30)
+        expected = counting_model.generate(prompt, **kwargs)
+        assert torch.equal(counting_model.generate(prompt, strategy="tidar", **kwargs), expected), kwargs
+        assert expected.shape[1] < prompt.shape[1] + 30
+
+
+def test_stop_strings_match_ar():
+    tokenizer = byte_level_tokenizer()
+    model = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=len(tokenizer), seed=4), block_size=3,
+                                     tokenizer=tokenizer)
+    prompt = tokenizer("x = ", return_tensors="pt")["input_ids"]
+    free = model.generate(prompt, max_new_tokens=20, eos_token_id=None)
+    pieces = [tokenizer.decode(t) for t in free[0, prompt.shape[1] + 3 :]]
+    stop = next(p for p in pieces if len(p) == 1 and p.isascii() and p.isprintable())
+    expected = model.generate(prompt, max_new_tokens=20, eos_token_id=None, stop_strings=[stop], tokenizer=tokenizer)
+    out = model.generate(prompt, max_new_tokens=20, eos_token_id=None, stop_strings=[stop], tokenizer=tokenizer,
+                         strategy="tidar")
+    assert torch.equal(out, expected) and expected.shape[1] < free.shape[1]
+
+
+def test_histogram_and_scores_in_the_dict_output(counting_model):
+    prompts = _random_prompts([3, 5], 32, seed=3)
+    ids, mask = _left_pad(prompts)
+    out = counting_model.generate(ids, attention_mask=mask, max_new_tokens=10, strategy="tidar", eos_token_id=None,
+                                  pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    assert len(out.scores) == 10 and out.scores[0].shape[0] == 2
+    for row in range(2):
+        histogram = out.accepted_length_histogram[row]
+        assert int((histogram * torch.arange(len(histogram))).sum()) + 1 == 10
+        assert int(histogram.sum()) == int(out.forward_passes[row])
+        chosen = torch.stack([s[row].argmax() for s in out.scores])
+        assert torch.equal(chosen, out.sequences[row, ids.shape[1] :])
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def test_bad_layout_and_streamer_input_gets_clear_errors(counting_model):
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="draft_length must be an integer in 1..4"):
+        counting_model.generate(prompt, max_new_tokens=3, strategy="tidar", draft_length=5)
+    for groups in ([], [2, 3], [1, 9]):
+        with pytest.raises(ValueError, match="draft_groups"):
+            counting_model.generate(prompt, max_new_tokens=3, strategy="tidar", draft_groups=groups)
+    with pytest.raises(ValueError, match="draft_layout"):
+        counting_model.generate(prompt, max_new_tokens=3, strategy="tidar", draft_layout="fastest")
+    with pytest.raises(ValueError, match="streamer must be"):
+        counting_model.generate(prompt, max_new_tokens=3, strategy="tidar", streamer=print)
+    with pytest.raises(ValueError, match="one sequence at a time"):
+        counting_model.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=3, strategy="tidar",
+                                streamer=TextStreamer(byte_level_tokenizer()))
+    assert acceptance.Scorer  # the module under test is importable on its own
