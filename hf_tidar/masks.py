@@ -279,3 +279,74 @@ class DecodeStepMasks:
         return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
             ~allowed, torch.finfo(dtype).min
         )
+
+
+class DecodeMaskState:
+    """The cache's validity and the rendered step mask of one decode, updated in place.
+
+    Per step only what changed is written: the layout's query block at the cache's end (``q x q``)
+    and, after verification, the validity of the slots just committed (``q x accepted``). The mask a
+    step hands to sdpa is a view of a buffer that grows geometrically, so no per-step work scales with
+    the sequence. Padding and holes (batch rows that accepted fewer drafts) are invalid slots.
+    """
+
+    def __init__(self, prefix_valid: torch.Tensor):
+        self.valid = prefix_valid.bool().clone()
+        self.length = prefix_valid.shape[1]
+        self.positions = prefix_valid.long().sum(-1)  # real cached tokens per row = next position
+        self._mask: torch.Tensor | None = None  # [batch, 1, q, capacity]
+
+    @property
+    def prefix_valid(self) -> torch.Tensor:
+        """``[batch, length]`` validity of the cached slots (a view)."""
+        return self.valid[:, : self.length]
+
+    def _grow(self, needed: int) -> None:
+        if self.valid.shape[1] < needed:
+            grown = self.valid.new_zeros(self.valid.shape[0], 2 * needed)
+            grown[:, : self.length] = self.prefix_valid
+            self.valid = grown
+            self._mask = None
+
+    def step_mask(self, step: DecodeStepMasks, attn_implementation: str | None, dtype: torch.dtype) -> object:
+        """The mask of the next step under layout ``step``, in the backend's format."""
+        impl = attn_implementation or "sdpa"
+        if impl not in ("sdpa", "eager"):
+            return render_mask(tidar_decode_layout(self.prefix_valid, step.draft_len, step.groups), impl, dtype)
+        q, end = step.query_len, self.length + step.query_len
+        self._grow(end)
+        if self._mask is None or self._mask.shape[2] != q:  # first step, new layout or regrown buffer
+            batch, capacity = self.valid.shape
+            self._mask = self.valid[:, None, None, :].expand(batch, 1, q, capacity).clone()
+        self._mask[..., self.length : end] = step.block
+        allowed = self._mask[..., :end]
+        if impl == "sdpa":
+            return allowed
+        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+            ~allowed, torch.finfo(dtype).min
+        )
+
+    def position_ids(self, step: DecodeStepMasks) -> torch.Tensor:
+        """``[batch, q]`` position ids of the next step's queries."""
+        return self.positions[:, None] + step.offsets
+
+    def commit(self, emitted: torch.Tensor, kept: int) -> None:
+        """After a step: the cache kept ``kept`` new slots, of which row ``r``'s first ``emitted[r]`` are real."""
+        new = torch.arange(kept, device=emitted.device)[None] < emitted[:, None]
+        self._grow(self.length + kept)
+        self.valid[:, self.length : self.length + kept] = new
+        if self._mask is not None:
+            self._mask[..., self.length : self.length + kept] = new[:, None, None, :]
+        self.length += kept
+        self.positions += emitted
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep only the rows at ``index`` (finished rows leave the batch)."""
+        self.valid, self.positions = self.valid[index], self.positions[index]
+        self._mask = self._mask[index] if self._mask is not None else None
+
+    def gather_slots(self, index: torch.Tensor) -> None:
+        """Keep, per row, the slots at ``index`` ``[batch, new_length]`` (the cache did the same)."""
+        self.valid = self.prefix_valid.gather(1, index)
+        self.length = index.shape[1]
+        self._mask = None

@@ -153,3 +153,24 @@ def test_decode_step_masks_equal_the_full_layout_rendering(k, groups):
     assert torch.equal(step.render(prefix_valid, "sdpa", torch.float32), to_bool_mask(layout))
     assert torch.equal(step.render(prefix_valid, "eager", torch.float32), to_additive_mask(layout))
     assert torch.equal(step.position_ids(prefix_valid), layout.query_position_ids)
+
+
+def test_incremental_decode_mask_state_equals_fresh_renderings():
+    from hf_tidar.masks import DecodeMaskState, DecodeStepMasks
+
+    generator = torch.Generator().manual_seed(0)
+    state = DecodeMaskState(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool))
+    layouts = [DecodeStepMasks(3, [1, 2, 3]), DecodeStepMasks(2, [1]), DecodeStepMasks(3, [1, 3])]
+    for step in range(9):
+        masks = layouts[step % len(layouts)]
+        layout = tidar_decode_layout(state.prefix_valid, masks.draft_len, masks.groups)
+        assert torch.equal(state.step_mask(masks, "sdpa", torch.float32), to_bool_mask(layout))
+        assert torch.equal(state.position_ids(masks), layout.query_position_ids)
+        emitted = torch.randint(1, masks.draft_len + 1, (state.valid.shape[0],), generator=generator)
+        state.commit(emitted, int(emitted.max()))
+        if step == 4:
+            state.select_rows(torch.tensor([0, 2]))
+        if step == 6:
+            order = torch.sort(state.prefix_valid.long(), dim=-1, stable=True).indices
+            state.gather_slots(order[:, -int(state.positions.max()) :])
+    assert torch.equal(state.positions, state.prefix_valid.sum(-1))

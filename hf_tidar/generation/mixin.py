@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 
 import torch
-from transformers import LogitsProcessorList, StopStringCriteria, StoppingCriteriaList
+from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
 from .outputs import StrategyGenerateOutput
@@ -60,6 +60,10 @@ class StrategyGenerationMixin:
             ValueError: unknown or unsupported strategy, an option the strategy cannot honour, or a
                 prompt that does not fit the model's positions.
         """
+        # pipeline("text-generation")(..., generate_kwargs={...}) hands the dict over as one argument.
+        nested = kwargs.pop("generate_kwargs", None) or {}
+        strategy = nested.pop("strategy", strategy)
+        kwargs.update(nested)
         strategy = self._resolve_strategy(strategy, generation_config)
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         self._check_prompt_fits(input_ids)

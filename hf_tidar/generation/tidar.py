@@ -26,7 +26,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..cache import DraftCache
-from ..masks import DecodeStepMasks, tidar_prefill_layout
+from ..masks import DecodeMaskState, DecodeStepMasks, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
 from .auto_layout import AutoLayout
 from .layout import DraftLayout
@@ -168,7 +168,7 @@ class TidarDecoder:
 
     # -- the passes -----------------------------------------------------------------------------------
 
-    def prefill(self, input_ids: torch.Tensor) -> tuple[list[Drafts], torch.Tensor]:
+    def prefill(self, input_ids: torch.Tensor) -> list[Drafts]:
         """Prompt + one mask group: each row's first token (AR) and first draft block (diffusion)."""
         k = self.layout.draft_len
         layout = tidar_prefill_layout(self.attention_mask, k)
@@ -184,10 +184,10 @@ class TidarDecoder:
             first = int(choose(scores, self.do_sample))
             self.emit(row, first, scores, ar_logits[index])
             all_drafts.append(self.draft(row, first, slots[index]))
-        return all_drafts, self.attention_mask.bool()
+        return all_drafts
 
-    def step(self, active: list[int], drafts: list[Drafts], prefix_valid: torch.Tensor) -> tuple[list, torch.Tensor]:
-        """One forward pass for the active rows; returns their next drafts and the new cache validity."""
+    def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskState) -> list[Drafts | None]:
+        """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
         layout = self.layout
         k = layout.draft_len
         masks = self.step_masks.setdefault(layout, DecodeStepMasks(k, layout.groups, self.device))
@@ -196,8 +196,8 @@ class TidarDecoder:
         )  # a row with fewer than k drafts pads with filler: its extra slots are never accepted
         query = torch.cat([draft_tokens, draft_tokens.new_full((len(active), k * len(layout.groups)), self.mask_id)], 1)
         hidden = self.model.structured_hidden_states(
-            query, None, self.cache, mask=masks.render(prefix_valid, self.attn_impl, self.dtype),
-            position_ids=masks.position_ids(prefix_valid),
+            query, None, self.cache, mask=state.step_mask(masks, self.attn_impl, self.dtype),
+            position_ids=state.position_ids(masks),
         )
         ar_logits = self.model.lm_head(hidden[:, :k]).float()
         emitted = []
@@ -209,9 +209,8 @@ class TidarDecoder:
             if self.auto:
                 self.auto.observe(len(drafts[index].tokens), count)
         most = max(emitted)
-        self.cache.keep_first(prefix_valid.shape[1] + most)
-        new_valid = torch.arange(most, device=self.device)[None] < torch.tensor(emitted, device=self.device)[:, None]
-        prefix_valid = torch.cat([prefix_valid, new_valid], dim=1)
+        self.cache.keep_first(state.length + most)
+        state.commit(torch.tensor(emitted, device=self.device), most)
 
         next_drafts = []
         for index, row_id in enumerate(active):
@@ -224,31 +223,31 @@ class TidarDecoder:
             first_slot = layout.group_start(group) + (accepted - group)  # the verifier's position
             slots = self.slot_logits(hidden[index, first_slot + 1 : layout.group_start(group) + k])
             next_drafts.append(self.draft(row, int(row.ids[0, row.length - 1]), slots))
-        return next_drafts, prefix_valid
+        return next_drafts
 
     def run(self, input_ids: torch.Tensor) -> None:
         """Decode until every row has stopped."""
         if self.streamer is not None:
             self.streamer.put(input_ids.cpu())
-        drafts, prefix_valid = self.prefill(input_ids)
+        drafts = self.prefill(input_ids)
         active = [i for i, row in enumerate(self.rows) if not row.finished]
         if not active:
             return self._end_stream()
+        state = DecodeMaskState(self.attention_mask.bool())
+        self._select(state, active, list(range(len(self.rows))))
         drafts = [drafts[i] for i in active]
-        prefix_valid = self._select(prefix_valid, active, list(range(len(self.rows))))
         while active:
             if self.auto:
                 self.layout = self.auto.choose()
-            drafts = [self._fit(d) for d in drafts]
-            drafts, prefix_valid = self.step(active, drafts, prefix_valid)
+            drafts = self.step(active, [self._fit(d) for d in drafts], state)
             still = [i for i, row_id in enumerate(active) if not self.rows[row_id].finished]
             if not still:
                 break
             if len(still) < len(active):
-                prefix_valid = self._select(prefix_valid, [active[i] for i in still], active)
+                self._select(state, [active[i] for i in still], active)
                 drafts = [drafts[i] for i in still]
                 active = [active[i] for i in still]
-            prefix_valid = self._maybe_compact(prefix_valid)
+            self._maybe_compact(state)
         self._end_stream()
 
     def _end_stream(self) -> None:
@@ -262,23 +261,23 @@ class TidarDecoder:
             return drafts
         return Drafts(drafts.tokens[:k], drafts.scores[:k] if drafts.scores is not None else None)
 
-    def _select(self, prefix_valid: torch.Tensor, keep: list[int], current: list[int]) -> torch.Tensor:
+    def _select(self, state: DecodeMaskState, keep: list[int], current: list[int]) -> None:
         """Drop finished rows from the batch: they stop costing work."""
         if keep == current:
-            return prefix_valid
+            return
         index = torch.tensor([current.index(row) for row in keep], device=self.device)
         self.cache.batch_select_indices(index)
-        return prefix_valid[index]
+        state.select_rows(index)
 
-    def _maybe_compact(self, prefix_valid: torch.Tensor) -> torch.Tensor:
+    def _maybe_compact(self, state: DecodeMaskState) -> None:
         """Gather each row's valid cached tokens to the right once holes waste too much memory."""
-        longest = int(prefix_valid.sum(-1).max())
-        if prefix_valid.shape[1] <= longest + COMPACTION_SLACK:
-            return prefix_valid
-        order = torch.sort(prefix_valid.long(), dim=-1, stable=True).indices  # holes first, then tokens in order
+        longest = int(state.positions.max())
+        if state.length <= longest + COMPACTION_SLACK:
+            return
+        order = torch.sort(state.prefix_valid.long(), dim=-1, stable=True).indices  # holes first, tokens in order
         index = order[:, -longest:]
         self.cache.gather_tokens(index)
-        return prefix_valid.gather(1, index)
+        state.gather_slots(index)
 
     # -- result ---------------------------------------------------------------------------------------
 
