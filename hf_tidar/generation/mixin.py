@@ -23,9 +23,10 @@ DEFAULT_STRATEGY = "ar"
 
 
 def _strategy_loops() -> dict[str, Callable]:
+    from ..cdlm.decoding import cdlm_decode, dlm_decode
     from .tidar import tidar_decode
 
-    return {"tidar": tidar_decode}
+    return {"tidar": tidar_decode, "cdlm": cdlm_decode, "dlm": dlm_decode}
 
 
 class StrategyGenerationMixin:

@@ -1,0 +1,211 @@
+"""CDLM end to end on arithmetic word problems, on a CPU.
+
+1. train a small bidirectional diffusion LM (the teacher) from scratch on generated problems;
+2. collect its trajectories (vanilla decoding, one token per pass) on training prompts;
+3. distil a block-causal CDLM student (LoRA + mask embedding) with ``CdlmTrainer``;
+4. save both; ``benchmarks/cdlm_arithmetic.py`` measures them on held-out problems.
+
+    python examples/cdlm_arithmetic.py --out runs/cdlm-arith
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, TrainingArguments
+
+from hf_tidar.cdlm import CdlmConfig, CdlmForCausalLM
+from hf_tidar.cdlm.arithmetic import generate_problems
+from hf_tidar.cdlm.training import CdlmCollator, CdlmTrainer, lora_student
+from hf_tidar.cdlm.trajectories import collect_trajectories, left_pad
+from hf_tidar.training import byte_level_tokenizer
+
+
+def task_tokenizer():
+    """The byte-level tokenizer plus a ``[MASK]`` token (260 ids)."""
+    tokenizer = byte_level_tokenizer()
+    tokenizer.add_special_tokens({"mask_token": "[MASK]"})
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def new_teacher(tokenizer, block_size: int, hidden: int = 192, layers: int = 4) -> CdlmForCausalLM:
+    """A randomly initialised bidirectional LLaDA-style (unshifted) diffusion LM on a Llama backbone."""
+    backbone = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=hidden * 8 // 3,
+        num_hidden_layers=layers,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=hidden // 32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    config = CdlmConfig(
+        text_config=backbone.to_dict(),
+        attention_mode="bidirectional",
+        block_size=block_size,
+        mask_token_id=tokenizer.mask_token_id,
+        shift_logits=False,
+    )
+    model = CdlmForCausalLM(config)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def encode(tokenizer, problems, gen_len: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt ids, and solution ids + EOS padded with EOS to ``gen_len`` (LLaDA's convention)."""
+    prompts = [tokenizer(p.question, add_special_tokens=False)["input_ids"] for p in problems]
+    eos = tokenizer.eos_token_id
+    targets = []
+    for p in problems:
+        ids = tokenizer(p.solution, add_special_tokens=False)["input_ids"][: gen_len - 1]
+        targets.append(ids + [eos] * (gen_len - len(ids)))
+    return prompts, targets
+
+
+def dlm_loss(model, prompts, targets, mask_id: int, pad_id: int, gen: torch.Generator) -> torch.Tensor:
+    """Masked-diffusion loss on the answers: ratio ``t ~ U(0, 1]`` per row, ``sum CE / (t * length)``."""
+    ids, attention = left_pad([p + t for p, t in zip(prompts, targets, strict=True)], pad_id)
+    gen_len = len(targets[0])
+    t = 1 - torch.rand(len(prompts), 1, generator=gen)
+    masked = torch.zeros_like(ids, dtype=torch.bool)
+    masked[:, -gen_len:] = torch.rand(len(prompts), gen_len, generator=gen) < t
+    noisy = ids.masked_fill(masked, mask_id)
+    prompt_len = torch.tensor([[len(p)] for p in prompts])
+    logits = model(input_ids=noisy, attention_mask=attention, prompt_len=prompt_len).logits
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none")
+    return ((ce * masked).sum(-1, keepdim=True) / (t * gen_len)).mean()
+
+
+def train_teacher(
+    model, tokenizer, problems, gen_len, steps, batch_size, lr, minutes: float | None = None, seed=0, log_every=50
+) -> list[float]:
+    """Pretrain the teacher from scratch (AdamW, warm-up then cosine); returns the logged mean losses.
+
+    With ``minutes``, the schedule runs on whichever of steps or wall time is further along, so training
+    ends (annealed) within the time budget on a busy machine too.
+    """
+    prompts, targets = encode(tokenizer, problems, gen_len)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    model.train()
+    losses, running, start, step = [], 0.0, time.time(), 0
+    while True:
+        progress = step / steps if minutes is None else max(step / steps, (time.time() - start) / (60 * minutes))
+        if progress >= 1:
+            break
+        warmup = min(1.0, (step + 1) / 50)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * warmup * 0.5 * (1 + math.cos(math.pi * progress))
+        rows = rng.sample(range(len(prompts)), batch_size)
+        loss = dlm_loss(
+            model, [prompts[r] for r in rows], [targets[r] for r in rows], tokenizer.mask_token_id,
+            tokenizer.pad_token_id, gen,
+        )
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad()
+        running += loss.item()
+        step += 1
+        if step % log_every == 0:
+            losses.append(running / log_every)
+            print(f"teacher step {step} loss {losses[-1]:.4f} ({time.time() - start:.0f}s)", flush=True)
+            running = 0.0
+    model.eval()
+    return losses
+
+
+def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_size: int, lr: float, rank: int):
+    """Distil the block-causal student with ``CdlmTrainer``; returns the merged student and the log."""
+    student = lora_student(teacher, rank=rank, alpha=2 * rank)
+    args = TrainingArguments(
+        output_dir=str(out_dir / "trainer"),
+        max_steps=steps,
+        per_device_train_batch_size=batch_size,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=max(steps // 20, 1),
+        logging_steps=max(steps // 10, 1),
+        save_strategy="no",
+        report_to=[],
+        remove_unused_columns=False,
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    collator = CdlmCollator(tokenizer.mask_token_id, teacher.config.block_size, tokenizer.pad_token_id)
+    trainer = CdlmTrainer(model=student, args=args, train_dataset=trajectories, data_collator=collator)
+    trainer.train()
+    merged = student.merge_and_unload()
+    return merged, trainer.state.log_history
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("runs/cdlm-arith"))
+    parser.add_argument("--train-problems", type=int, default=20000)
+    parser.add_argument("--trajectory-prompts", type=int, default=2000)
+    parser.add_argument("--gen-len", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--teacher-steps", type=int, default=3000)
+    parser.add_argument("--teacher-minutes", type=float, default=None, help="wall-time budget of teacher training")
+    parser.add_argument("--teacher-batch", type=int, default=64)
+    parser.add_argument("--teacher-lr", type=float, default=2e-3)
+    parser.add_argument("--student-steps", type=int, default=600)
+    parser.add_argument("--student-batch", type=int, default=32)
+    parser.add_argument("--student-lr", type=float, default=1e-3)
+    parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1, help="1 avoids OpenMP stalls on a busy CPU")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tokenizer = task_tokenizer()
+    problems = generate_problems(seed=0, count=args.train_problems)
+    timings = {}
+
+    start = time.time()
+    teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers)
+    teacher_losses = train_teacher(
+        teacher, tokenizer, problems, args.gen_len, args.teacher_steps, args.teacher_batch, args.teacher_lr,
+        args.teacher_minutes,
+    )
+    teacher.eval().save_pretrained(args.out / "teacher")
+    tokenizer.save_pretrained(args.out / "teacher")
+    timings["teacher_training_s"] = time.time() - start
+
+    start = time.time()
+    prompts, targets = encode(tokenizer, problems[: args.trajectory_prompts], args.gen_len)
+    trajectories = collect_trajectories(
+        teacher, prompts, args.out / "trajectories", tokenizer, args.gen_len, targets=targets, batch_size=64
+    )
+    timings["trajectories_s"] = time.time() - start
+
+    start = time.time()
+    student, log = distil(
+        teacher, tokenizer, trajectories, args.out, args.student_steps, args.student_batch, args.student_lr,
+        args.lora_rank,
+    )
+    student.generation_config = teacher.generation_config
+    student.save_pretrained(args.out / "student")
+    tokenizer.save_pretrained(args.out / "student")
+    timings["distillation_s"] = time.time() - start
+    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "timings": timings,
+               "teacher_losses": teacher_losses, "student_log": log}
+    (args.out / "pipeline.json").write_text(json.dumps(summary, indent=1))
+    print(json.dumps(timings, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    main()

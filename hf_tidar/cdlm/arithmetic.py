@@ -1,0 +1,80 @@
+"""A GSM8K-shaped arithmetic word-problem task whose quality a CPU can check.
+
+Problems are generated deterministically from a seed: a starting amount and two changes, a
+step-by-step solution, and a final answer after ``####`` (GSM8K's convention). Train and test sets
+come from different seeds; :func:`split` also drops test problems that occur in the training set.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+NAMES = ("Ann", "Bob", "Cy", "Dee", "Eve", "Finn", "Gus", "Hal", "Ivy", "Jo")
+ITEMS = ("apples", "pens", "cards", "coins", "books", "eggs", "shells", "stamps")
+GAINS = ("buys {n}", "gets {n}", "finds {n}")
+LOSSES = ("gives away {n}", "loses {n}", "sells {n}")
+ANSWER_PATTERN = re.compile(r"####\s*(-?\d+)")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One word problem: ``question`` (the prompt), ``solution`` (steps and ``#### answer``), ``answer``."""
+
+    question: str
+    solution: str
+    answer: int
+
+
+def make_problem(rng: random.Random) -> Problem:
+    """One random problem; every intermediate amount stays in 0..99."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    amount = rng.randint(2, 30)
+    sentences, steps = [f"{name} has {amount} {item}."], []
+    for _ in range(2):
+        if amount > 1 and rng.random() < 0.5:
+            n = rng.randint(1, min(amount, 9))
+            sentences.append(f"{name} {rng.choice(LOSSES).format(n=n)}.")
+            steps.append(f"{amount}-{n}={amount - n}.")
+            amount -= n
+        else:
+            n = rng.randint(1, 9)
+            sentences.append(f"{name} {rng.choice(GAINS).format(n=n)}.")
+            steps.append(f"{amount}+{n}={amount + n}.")
+            amount += n
+    question = " ".join(sentences) + f" How many {item}?\nA:"
+    return Problem(question, " " + " ".join(steps) + f" #### {amount}", amount)
+
+
+def generate_problems(seed: int, count: int) -> list[Problem]:
+    """``count`` problems from ``seed`` (the same seed always gives the same list)."""
+    rng = random.Random(seed)
+    return [make_problem(rng) for _ in range(count)]
+
+
+def split(train_count: int, test_count: int, train_seed: int = 0, test_seed: int = 1) -> tuple[list, list]:
+    """Train and held-out test problems from different seeds, no test question occurring in train."""
+    train = generate_problems(train_seed, train_count)
+    seen = {p.question for p in train}
+    rng, test = random.Random(test_seed), []
+    while len(test) < test_count:
+        problem = make_problem(rng)
+        if problem.question not in seen:
+            test.append(problem)
+    return train, test
+
+
+def extract_answer(text: str) -> int | None:
+    """The integer after the first ``####``, or ``None``."""
+    match = ANSWER_PATTERN.search(text)
+    return int(match.group(1)) if match else None
+
+
+def answer_accuracy(predictions: list[str], problems: list[Problem]) -> float:
+    """Fraction of predictions whose ``####`` answer equals the problem's answer."""
+    if len(predictions) != len(problems):
+        raise ValueError(f"{len(predictions)} predictions for {len(problems)} problems.")
+    if not problems:
+        return 0.0
+    return sum(extract_answer(t) == p.answer for t, p in zip(predictions, problems, strict=True)) / len(problems)

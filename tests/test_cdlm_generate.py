@@ -1,0 +1,259 @@
+"""CDLM models and decoding: layouts, the exact block KV cache, the threshold rule, batches, errors."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+from toy import tiny_ar_model
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from hf_tidar import CdlmConfig, CdlmForCausalLM, TidarForCausalLM
+from hf_tidar.cdlm import bidirectional_layout, block_causal_layout
+from hf_tidar.masks import positions_from_padding, to_bool_mask
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread avoids OpenMP barrier stalls on a busy 2-core machine (50x here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def peaky_student(model_type: str = "llama", shift: bool = False, block_size: int = 4, scale: float = 25.0, seed=0):
+    """A random block-causal student whose head is scaled so that many tokens pass a 0.5 threshold."""
+    teacher = CdlmForCausalLM.from_ar(tiny_ar_model(model_type, seed=seed), block_size=block_size, shift_logits=shift)
+    student = CdlmForCausalLM.from_dlm(teacher).eval()
+    with torch.no_grad():
+        student.lm_head.weight.mul_(scale)
+    return student
+
+
+def left_padded_prompts(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, 60, (rows, length), generator=gen)
+    mask = torch.ones_like(ids)
+    for r in range(1, rows):
+        pad = int(torch.randint(1, length - 1, (1,), generator=gen))
+        mask[r, :pad] = 0
+        ids[r, :pad] = 0
+    return ids, mask
+
+
+# -- layouts ------------------------------------------------------------------------------------
+
+
+def reference_block_causal(valid: torch.Tensor, prompt_len: torch.Tensor, block: int) -> torch.Tensor:
+    """Slow reference, written from the definition: prompt = one block, then blocks of ``block``."""
+    rows, n = valid.shape
+    pos = positions_from_padding(valid)
+    out = torch.zeros(rows, 1, n, n, dtype=torch.bool)
+    for b in range(rows):
+        n_prompt = int(prompt_len[b])
+        blocks = [-1 if int(p) < n_prompt else (int(p) - n_prompt) // block for p in pos[b]]
+        for q in range(n):
+            for k in range(n):
+                if valid[b, q] and valid[b, k]:
+                    out[b, 0, q, k] = blocks[k] <= blocks[q]
+                elif not valid[b, q]:
+                    out[b, 0, q, k] = q == k
+    return out
+
+
+def test_block_causal_layout_matches_reference():
+    valid = torch.tensor([[1] * 11, [0, 0, 0] + [1] * 8], dtype=torch.bool)
+    prompt_len = torch.tensor([[4], [2]])
+    got = to_bool_mask(block_causal_layout(valid, prompt_len, block_size=3))
+    assert torch.equal(got, reference_block_causal(valid, prompt_len, 3))
+    bidir = to_bool_mask(bidirectional_layout(valid))
+    pair = valid[:, None, :, None] & valid[:, None, None, :]
+    assert torch.equal(bidir & pair, pair) and torch.equal(bidir | ~pair, bidir | ~pair)
+    assert not bidir[1, 0, 3, 0]  # padding key invisible
+
+
+# -- exactness of the block cache ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type,shift", [("llama", False), ("qwen3", True)])
+def test_cached_block_decoding_equals_full_recomputation(model_type, shift):
+    student = peaky_student(model_type, shift=shift)
+    ids, mask = left_padded_prompts(3, 7, seed=1)
+    kwargs = dict(max_new_tokens=14, threshold=0.5, return_dict_in_generate=True, output_logits=True, eos_token_id=None)
+    cached = student.generate(ids, attention_mask=mask, strategy="cdlm", **kwargs)
+    full = student.generate(ids, attention_mask=mask, strategy="dlm", **kwargs)
+    assert torch.equal(cached.sequences, full.sequences)
+    assert torch.equal(cached.forward_passes, full.forward_passes)
+    assert cached.accepted_lengths == full.accepted_lengths
+    assert any(n > 1 for row in cached.accepted_lengths for n in row), "threshold rule never fired"
+    for a, b in zip(cached.logits, full.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_finished_blocks_are_never_recomputed():
+    student = peaky_student()
+    query_lengths = []
+    hook = student.model.embed_tokens.register_forward_hook(lambda m, i, o: query_lengths.append(i[0].shape[1]))
+    ids = torch.randint(1, 60, (1, 5), generator=torch.Generator().manual_seed(2))
+    out = student.generate(ids, max_new_tokens=12, threshold=1.0, return_dict_in_generate=True, eos_token_id=None)
+    hook.remove()
+    # Block b's first pass carries the previous block (or the prompt) once; later passes only the block.
+    expected = []
+    for block in range(3):
+        expected += [(5 if block == 0 else 4) + 4] + [4] * 3
+    assert query_lengths == expected
+    assert int(out.forward_passes[0]) == 12
+
+
+def test_block_causal_hides_later_blocks_bidirectional_does_not():
+    student = peaky_student()
+    teacher = CdlmForCausalLM.from_dlm(student, attention_mode="bidirectional").eval()
+    ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(3))
+    masked = torch.cat([ids, torch.full((1, 8), student.config.mask_token_id)], dim=1)
+    prompt_len = torch.tensor([[6]])
+    with torch.no_grad():
+        for model, hides in ((student, True), (teacher, False)):
+            whole = model(masked, prompt_len=prompt_len).logits[:, :10]
+            cut = model(masked[:, :10], prompt_len=prompt_len).logits  # prompt + block 0 only
+            assert torch.allclose(whole, cut) == hides
+
+
+# -- the threshold rule ---------------------------------------------------------------------------
+
+
+def test_unreachable_threshold_decodes_one_token_per_pass():
+    student = peaky_student(scale=1.0)  # a random head: no probability comes near 1
+    ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(4))
+    out = student.generate(ids, max_new_tokens=10, threshold=1.0, return_dict_in_generate=True, eos_token_id=None)
+    assert out.accepted_lengths == [[1] * 10]
+    assert out.forward_passes.tolist() == [10]
+    assert out.sequences.shape[1] == 16
+
+
+def test_vanilla_teacher_one_token_per_pass_and_threshold_parallel():
+    student = peaky_student()
+    teacher = CdlmForCausalLM.from_dlm(student, attention_mode="bidirectional").eval()
+    ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(5))
+    vanilla = teacher.generate(ids, max_new_tokens=8, strategy="dlm", return_dict_in_generate=True, eos_token_id=None)
+    fast = teacher.generate(
+        ids, max_new_tokens=8, strategy="dlm", threshold=0.2, return_dict_in_generate=True, eos_token_id=None
+    )
+    assert vanilla.accepted_lengths == [[1] * 8]
+    assert sum(fast.accepted_lengths[0]) == 8 and int(fast.forward_passes[0]) < 8
+
+
+# -- batches, EOS, streamer ------------------------------------------------------------------------
+
+
+def test_batched_equals_per_row_with_eos():
+    student = peaky_student(seed=1)
+    ids, mask = left_padded_prompts(3, 8, seed=6)
+    probe = student.generate(ids[:1], max_new_tokens=12, threshold=0.5, eos_token_id=None)
+    eos = int(probe[0, 8 + 5])  # a token row 0 produces mid-way: rows stop at different blocks
+    kwargs = dict(max_new_tokens=12, threshold=0.5, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True)
+    batch = student.generate(ids, attention_mask=mask, **kwargs)
+    for r in range(3):
+        real = mask[r].bool()
+        row = student.generate(ids[r : r + 1, real], **kwargs)
+        gen = row.sequences[0, int(real.sum()) :]
+        width = gen.shape[0]
+        assert torch.equal(batch.sequences[r, 8 : 8 + width], gen)
+        assert (batch.sequences[r, 8 + width :] == 0).all()
+        assert batch.accepted_lengths[r] == row.accepted_lengths[0]
+        assert int(batch.forward_passes[r]) == int(row.forward_passes[0])
+    assert (batch.sequences[0, 8:] == eos).nonzero()[0].item() <= 5
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.flatten().tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_gets_whole_blocks_when_final():
+    student = peaky_student()
+    ids = torch.randint(1, 60, (1, 5), generator=torch.Generator().manual_seed(7))
+    streamer = Collect()
+    out = student.generate(ids, max_new_tokens=10, threshold=0.5, streamer=streamer, eos_token_id=None)
+    assert streamer.ended and streamer.chunks[0] == ids[0].tolist()
+    assert [len(c) for c in streamer.chunks[1:]] == [4, 4, 2]
+    assert sum(streamer.chunks, []) == out[0].tolist()
+
+
+# -- backends, saving -------------------------------------------------------------------------------
+
+
+def test_tidar_triton_backend_gives_identical_tokens(monkeypatch):
+    pytest.importorskip("triton")
+    from hf_tidar.kernels import integration
+
+    launches = []
+    original = integration.tidar_attention
+    monkeypatch.setattr(integration, "tidar_attention", lambda *a, **k: launches.append(1) or original(*a, **k))
+    student = peaky_student().float()
+    ids, mask = left_padded_prompts(2, 6, seed=8)
+    kwargs = dict(max_new_tokens=8, threshold=0.5, eos_token_id=None)
+    expected = student.generate(ids, attention_mask=mask, **kwargs)
+    student.set_attn_implementation("tidar_triton")
+    got = student.generate(ids, attention_mask=mask, **kwargs)
+    assert student.model.config._attn_implementation == "tidar_triton"
+    assert launches, "the Triton kernel was never launched"
+    assert torch.equal(got, expected)
+
+
+def test_save_load_round_trip_and_from_ar_keeps_weights():
+    ar = tiny_ar_model()
+    teacher = CdlmForCausalLM.from_ar(ar, block_size=4)
+    assert torch.equal(teacher.model.layers[0].mlp.up_proj.weight, ar.model.layers[0].mlp.up_proj.weight)
+    assert teacher.config.mask_token_id == 64 and teacher.get_input_embeddings().num_embeddings == 65
+    with tempfile.TemporaryDirectory() as folder:
+        teacher.save_pretrained(folder)
+        loaded = AutoModelForCausalLM.from_pretrained(folder)
+    assert isinstance(loaded, CdlmForCausalLM) and isinstance(loaded.config, CdlmConfig)
+    assert loaded.config.attention_mode == "bidirectional" and loaded.config.shift_logits
+    plain = CdlmForCausalLM.from_dlm(ar, mask_token_id=3, shift_logits=False, block_size=8)
+    assert plain.config.attention_mode == "block_causal" and plain.config.block_size == 8
+
+
+# -- bad input --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("threshold", [0, -0.1, 1.5])
+def test_threshold_outside_unit_interval_is_rejected(threshold):
+    student = peaky_student()
+    with pytest.raises(ValueError, match=r"threshold must be in \(0, 1\]"):
+        student.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=4, threshold=threshold)
+
+
+def test_bad_block_size_strategy_and_padding_are_rejected():
+    student = peaky_student()
+    ids = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="trained block size 4"):
+        student.generate(ids, max_new_tokens=4, block_size=8)
+    teacher = CdlmForCausalLM.from_dlm(student, attention_mode="bidirectional")
+    with pytest.raises(ValueError, match="needs a block-causal model"):
+        teacher.generate(ids, max_new_tokens=4, strategy="cdlm")
+    with pytest.raises(ValueError, match="Unknown or unsupported strategy 'ar'"):
+        student.generate(ids, max_new_tokens=4, strategy="ar")
+    tidar = TidarForCausalLM.from_ar(tiny_ar_model(), block_size=4)
+    with pytest.raises(ValueError, match="Unknown or unsupported strategy 'cdlm'"):
+        tidar.generate(ids, max_new_tokens=4, strategy="cdlm")
+    right_padded = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="left padding"):
+        student.generate(torch.ones(2, 3, dtype=torch.long), attention_mask=right_padded, max_new_tokens=4)
+    with pytest.raises(ValueError, match="attention_mode"):
+        CdlmConfig(text_config=tiny_ar_model().config.to_dict(), attention_mode="causal")
+
+
+def test_sampling_is_refused_rather_than_silently_ignored():
+    student = peaky_student()
+    with pytest.raises(ValueError, match="strategy='cdlm' cannot run generation mode 'sample'"):
+        student.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=4, do_sample=True)

@@ -1,0 +1,154 @@
+"""CDLM distillation: trajectories on disk, the collator's states, the three losses, the trainer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from toy import tiny_ar_model
+from transformers import TrainingArguments
+
+from hf_tidar import CdlmForCausalLM
+from hf_tidar.cdlm import trajectories as traj
+from hf_tidar.cdlm.arithmetic import answer_accuracy, extract_answer, generate_problems, split
+from hf_tidar.cdlm.training import LOSS_NAMES, CdlmCollator, CdlmTrainer, cdlm_losses, lora_student
+from hf_tidar.training import byte_level_tokenizer
+
+BLOCK = 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matmuls: one thread avoids OpenMP barrier stalls on a busy 2-core machine (50x here)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    tok = byte_level_tokenizer()
+    tok.add_special_tokens({"mask_token": "[MASK]"})
+    return tok
+
+
+@pytest.fixture(scope="module")
+def teacher(tokenizer):
+    ar = tiny_ar_model(vocab_size=len(tokenizer)).float()
+    model = CdlmForCausalLM.from_ar(ar, block_size=BLOCK, mask_token_id=tokenizer.mask_token_id, shift_logits=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10)  # peaky: distributions far from uniform, so KLs are not tiny by accident
+    return model.eval()
+
+
+def prompts(tokenizer, n=6):
+    return [tokenizer(f"{i} plus {i}=", add_special_tokens=False)["input_ids"] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def trajectories(teacher, tokenizer, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("traj")
+    return traj.collect_trajectories(teacher, prompts(tokenizer), folder, tokenizer, 8, batch_size=4, shard_size=4)
+
+
+def test_trajectories_record_order_and_hidden(trajectories, teacher):
+    assert len(trajectories) == 6
+    row = trajectories[0]
+    n = len(row["output_ids"])
+    assert n % BLOCK == 0 and n <= 8
+    for start in range(0, n, BLOCK):  # a permutation of the block: one token per pass
+        assert sorted(row["order"][start : start + BLOCK]) == list(range(BLOCK))
+    hidden = torch.tensor(row["hidden"], dtype=torch.float32)
+    assert hidden.shape == (n, teacher.config.text_config.hidden_size)
+    # The stored hidden state reproduces the teacher's choice: argmax of lm_head(h) is the token.
+    choice = teacher.lm_head(hidden)
+    choice[:, teacher.config.mask_token_id] = float("-inf")
+    assert choice.argmax(-1).tolist() == row["output_ids"]
+
+
+def test_collection_resumes_and_checks_compatibility(teacher, tokenizer, tmp_path, monkeypatch):
+    traj.collect_trajectories(teacher, prompts(tokenizer, 3), tmp_path, tokenizer, 8, batch_size=2, shard_size=2)
+    monkeypatch.setattr(traj, "_collect_batch", lambda *a, **k: pytest.fail("finished shards were recomputed"))
+    again = traj.collect_trajectories(teacher, prompts(tokenizer, 3), tmp_path, tokenizer, 8, shard_size=2)
+    assert len(again) == 3
+    with pytest.raises(ValueError, match="block_size=4, not 8"):
+        traj.load_trajectories(tmp_path, tokenizer, block_size=8)
+    other = byte_level_tokenizer()
+    with pytest.raises(ValueError, match="different tokenizer"):
+        traj.load_trajectories(tmp_path, other)
+    with pytest.raises(ValueError, match="different run"):
+        traj.collect_trajectories(teacher, prompts(tokenizer, 3), tmp_path, tokenizer, 12, shard_size=2)
+
+
+def collate(trajectories, tokenizer, **kwargs):
+    collator = CdlmCollator(tokenizer.mask_token_id, BLOCK, tokenizer.pad_token_id, seed=1, **kwargs)
+    return collator([trajectories[i] for i in range(len(trajectories))])
+
+
+def test_collator_partitions_the_masked_positions(trajectories, tokenizer):
+    batch = collate(trajectories, tokenizer)
+    masked_at_y = batch["input_ids"] == tokenizer.mask_token_id
+    distill, consist = batch["distill_mask"], batch["consistency_mask"]
+    assert not (distill & consist).any()
+    assert torch.equal(distill | consist, masked_at_y)
+    assert distill.any(-1).all()  # y* reveals at least one more token in every row
+    revealed_later = (batch["target_state_ids"] != tokenizer.mask_token_id) & masked_at_y
+    assert torch.equal(revealed_later, distill)
+
+
+def test_losses_finite_nonzero_and_zero_where_they_should_be(teacher, trajectories, tokenizer, tmp_path):
+    student = CdlmForCausalLM.from_dlm(teacher)  # block-causal: differs from the bidirectional teacher
+    losses = cdlm_losses(student, collate(trajectories, tokenizer), teacher.lm_head)
+    for name in LOSS_NAMES:
+        assert torch.isfinite(losses[name]) and losses[name] > 1e-3, name
+    # y* = the completed block: nothing is masked at y*, so only distillation applies.
+    completion = cdlm_losses(student, collate(trajectories, tokenizer, completion_only=True), teacher.lm_head)
+    assert completion["consistency_loss"] == 0 and completion["distillation_loss"] > 1e-3
+    # Trajectories of the student itself, y* = the next step: the student *is* the teacher there.
+    own = traj.collect_trajectories(student, prompts(tokenizer), tmp_path, tokenizer, 8, batch_size=6)
+    same = cdlm_losses(student, collate(own, tokenizer, max_jump=1), student.lm_head)
+    assert same["distillation_loss"] < 1e-4  # fp16 storage of the hidden states is the only error
+
+
+def test_trainer_lowers_the_loss_and_logs_each_part(teacher, trajectories, tokenizer, tmp_path):
+    student = lora_student(teacher, rank=4, alpha=8)
+    trainable = {n for n, p in student.named_parameters() if p.requires_grad}
+    assert any("lora_A" in n for n in trainable) and any("embed_tokens" in n for n in trainable)
+    assert not any("lm_head" in n for n in trainable)
+    collator = CdlmCollator(tokenizer.mask_token_id, BLOCK, tokenizer.pad_token_id, seed=0)
+    fixed = CdlmCollator(tokenizer.mask_token_id, BLOCK, tokenizer.pad_token_id, seed=5)([*trajectories])
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=12, per_device_train_batch_size=6, learning_rate=1e-2, logging_steps=4,
+        report_to=[], remove_unused_columns=False, use_cpu=True, save_strategy="no", disable_tqdm=True,
+    )
+    trainer = CdlmTrainer(model=student, args=args, train_dataset=trajectories, data_collator=collator)
+
+    def total():
+        with torch.no_grad():
+            parts = cdlm_losses(student, fixed, trainer.teacher_head)
+        return sum(w * parts[n] for w, n in zip(trainer.loss_weights, LOSS_NAMES, strict=True))
+
+    before = total()
+    trainer.train()
+    assert total() < before
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all(name in logged[0] for name in LOSS_NAMES)
+
+
+def test_trainer_rejects_mismatched_trajectories(teacher, trajectories, tmp_path):
+    student = CdlmForCausalLM.from_dlm(teacher, block_size=8)
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], remove_unused_columns=False, use_cpu=True)
+    with pytest.raises(ValueError, match="block_size=4"):
+        CdlmTrainer(model=student, args=args, train_dataset=trajectories)
+    assert isinstance(trajectories, Dataset)
+
+
+def test_arithmetic_task_is_deterministic_and_split():
+    assert generate_problems(3, 5) == generate_problems(3, 5)
+    train, test = split(200, 50)
+    assert not {p.question for p in train} & {p.question for p in test}
+    for p in train[:20]:
+        assert extract_answer(p.solution) == p.answer
+    assert answer_accuracy([p.solution for p in test], test) == 1.0
+    assert answer_accuracy(["#### -1"] * len(test), test) == 0.0
