@@ -8,6 +8,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests never reach the Hub (publishing tests intercept HfApi). Without this, pipeline() and PEFT loading try
+# the network first and wait for its timeouts where there is none. Read when huggingface_hub is imported.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import pytest
 from toy import train_counting_tidar
