@@ -232,14 +232,22 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         layout = tidar_training_layout(attention_mask, self.config.block_size)
         doubled = torch.cat([input_ids, torch.full_like(input_ids, mask_id)], dim=1)
         hidden = self.structured_hidden_states(doubled, layout, cache=None, **kwargs)
-        logits = self.lm_head(hidden)
-        ar_logits, diffusion_logits = logits[:, :seq_len], logits[:, seq_len:]
-
+        alpha = self.config.ar_loss_weight
         # Clean token i predicts x_{i+1}; a padding query predicts nothing (it only sees itself).
         ar_targets = labels[:, 1:].masked_fill(~valid[:, :-1], IGNORE_INDEX)
-        ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
+        if alpha > 0:
+            logits = self.lm_head(hidden)
+            ar_logits, diffusion_logits = logits[:, :seq_len], logits[:, seq_len:]
+            ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
+        else:
+            # alpha = 0 (e.g. gated LoRA): the AR loss is only logged, so its large vocabulary projection
+            # gets no autograd graph, and the full logits are not kept while training.
+            diffusion_logits = self.lm_head(hidden[:, seq_len:])
+            with torch.no_grad():
+                ar_logits = self.lm_head(hidden[:, :seq_len])
+                ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
+            logits = None if torch.is_grad_enabled() else torch.cat([ar_logits, diffusion_logits], dim=1)
         diffusion_loss = _mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
-        alpha = self.config.ar_loss_weight
         loss = (alpha * ar_loss + diffusion_loss) / (1 + alpha)
         if self.training:
             self.loss_tracker.add(ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach())

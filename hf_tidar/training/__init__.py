@@ -1,6 +1,32 @@
-"""Training: data pipelines and Trainer integration for the hybrid TiDAR loss."""
+"""Training: data pipelines, gated LoRA and Trainer integration for the hybrid TiDAR loss."""
 
 from .callbacks import HybridLossLogger
+from .corpus import CorpusSplit, load_corpus, packed_dataset
 from .data import byte_level_tokenizer, pack_texts, read_text_files, stdlib_source_files
+from .gated_lora import (
+    gated_lora_config,
+    get_gated_lora_model,
+    install_mask_gate,
+    load_gated_lora,
+    load_tidar_adapter,
+    save_gated_lora,
+    tidar_base_for_adapter,
+)
 
-__all__ = ["HybridLossLogger", "byte_level_tokenizer", "pack_texts", "read_text_files", "stdlib_source_files"]
+__all__ = [
+    "CorpusSplit",
+    "HybridLossLogger",
+    "byte_level_tokenizer",
+    "gated_lora_config",
+    "get_gated_lora_model",
+    "install_mask_gate",
+    "load_corpus",
+    "load_gated_lora",
+    "load_tidar_adapter",
+    "pack_texts",
+    "packed_dataset",
+    "read_text_files",
+    "save_gated_lora",
+    "stdlib_source_files",
+    "tidar_base_for_adapter",
+]

@@ -25,7 +25,26 @@ class HybridLossLogger(TrainerCallback):
         tracker = getattr(model, "loss_tracker", None)
         if logs is None or tracker is None:
             return
-        means = tracker.pop_means()
+        means = _mean_over_processes(tracker.pop_means())
         logs.update(means)
         if state.log_history:
             state.log_history[-1].update(means)
+
+
+def _mean_over_processes(means: dict[str, float]) -> dict[str, float]:
+    """Average the parts over DDP processes (each saw its own shard of the global batch); as is otherwise.
+
+    Every process reaches ``on_log`` at the same step, so the collective is safe.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not means or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return means
+    names = sorted(means)
+    backend = dist.get_backend()
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    values = torch.tensor([means[name] for name in names], dtype=torch.float64, device=device)
+    dist.all_reduce(values)
+    values /= dist.get_world_size()
+    return dict(zip(names, values.tolist(), strict=True))

@@ -1,0 +1,16 @@
+"""Train a TiDAR model with the stock ``Trainer``: the same options as ``hf-tidar train``.
+
+Examples (2-core CPU friendly sizes; see docs/training.md for GPU clusters):
+
+    python examples/train_tidar.py --max-steps 40 --seq-len 128                      # tiny Llama, full
+    python examples/train_tidar.py --model smollm2 --method lora --block-size 4 \\
+        --distilled outputs/distilled --data --seq-len 256 --max-steps 200           # gated LoRA
+    torchrun --nproc_per_node 2 examples/train_tidar.py --max-steps 40               # DDP (gloo on CPU)
+"""
+
+import sys
+
+from hf_tidar.training.train import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,301 @@
+"""Gated LoRA: PEFT adapters that act only on ``[MASK]`` positions, so TiDAR drafting is lossless.
+
+A TiDAR forward mixes clean tokens (verified AR tokens) and ``[MASK]`` tokens (diffusion drafts), and
+clean tokens never attend to mask tokens. If an adapter changes the computation only at mask
+positions, every clean hidden state — hence every AR logit and every greedy token — is exactly the
+base checkpoint's, while the drafts improve. The adapter is then a lossless accelerator.
+
+How the gate works (small pieces on top of plain PEFT LoRA; nothing is forked):
+
+* a forward pre-hook on the backbone records ``input_ids == mask_token_id`` for the current forward
+  (training layout ``[x | MASK..]``, prefill ``prompt + group``, decode ``drafts + groups`` alike);
+* a forward hook on every ``lora_A`` module zeroes its output at clean positions, so the LoRA delta
+  ``lora_B(lora_A(x)) * scaling`` is exactly ``0`` there (``lora_B`` has no bias) and
+  ``base(x) + 0 == base(x)`` bit for bit;
+* the ``[MASK]`` input embedding is trained as a LoRA on ``embed_tokens`` whose output is replaced by
+  the base embedding at clean positions. (PEFT's ``trainable_token_indices`` would also re-tie the
+  LM head's ``[MASK]`` row when embeddings are tied, changing the AR logits' ``[MASK]`` column.)
+
+Why not PEFT's activated LoRA (``alora_invocation_tokens``): it activates the adapter on the suffix
+starting at the *last* occurrence of the invocation sequence (with ``k`` masks in a row that is the
+last mask, or the last group), and during ``generate`` it fixes the offsets once from the prompt,
+which holds no ``[MASK]`` — so the TiDAR decode loop would run the base model only.
+
+The adapters can't be merged into the weights: a merged delta acts on every token, clean ones
+included, which changes the AR path. :func:`load_gated_lora` re-installs the gate; a plain
+``PeftModel.from_pretrained`` loads the same weights *ungated* (not lossless).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+GATE_FILE = "tidar_gate.json"
+"""Written next to ``adapter_config.json``: mask token, block size and the base model's architecture."""
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EMBEDDING_TARGET = "embed_tokens"
+# Config fields that decide whether an adapter fits a base model (names, dtypes and caching do not).
+ARCHITECTURE_KEYS = (
+    "model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+    "rope_theta", "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
+)
+
+
+@dataclass
+class MaskGate:
+    """Per-forward record of which query tokens are ``[MASK]``; read by the LoRA hooks."""
+
+    mask_token_id: int
+    is_mask: torch.Tensor | None = None
+    handles: list = field(default_factory=list)
+
+    def remove(self) -> None:
+        """Detach every hook (the adapters then act on all tokens, like plain LoRA)."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _record_mask_positions(gate: MaskGate):
+    def hook(module, args, kwargs):
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        # inputs_embeds carry no token ids: no position can be recognised as [MASK], so the adapter is off.
+        gate.is_mask = None if input_ids is None else input_ids == gate.mask_token_id
+
+    return hook
+
+
+def _gate_lora_a(gate: MaskGate):
+    def hook(module, args, output):
+        if gate.is_mask is None or gate.is_mask.shape != output.shape[:-1]:
+            if gate.is_mask is not None:
+                raise RuntimeError(
+                    f"gated LoRA saw activations of shape {tuple(output.shape)} for a forward whose input_ids "
+                    f"have shape {tuple(gate.is_mask.shape)}; nn.DataParallel splits batches across replicas "
+                    "sharing one gate — use DDP (torchrun / accelerate launch) instead."
+                )
+            return torch.zeros_like(output)
+        return torch.where(gate.is_mask[..., None], output, torch.zeros((), dtype=output.dtype, device=output.device))
+
+    return hook
+
+
+def _gate_embedding(gate: MaskGate):
+    def hook(module, args, output):
+        base = module.base_layer(args[0])
+        if gate.is_mask is None:
+            return base
+        return torch.where(gate.is_mask[..., None], output, base)
+
+    return hook
+
+
+def tidar_model_of(model: nn.Module) -> nn.Module:
+    """The ``TidarForCausalLM`` inside a ``PeftModel`` (or the model itself)."""
+    from ..modeling import TidarForCausalLM
+
+    if isinstance(model, TidarForCausalLM):
+        return model
+    inner = getattr(getattr(model, "base_model", None), "model", None)
+    if isinstance(inner, TidarForCausalLM):
+        return inner
+    raise TypeError(f"expected a TidarForCausalLM or a PeftModel around one, got {type(model).__name__}.")
+
+
+def install_mask_gate(peft_model: nn.Module) -> MaskGate:
+    """Gate every LoRA module of ``peft_model`` (a ``PeftModel`` around a ``TidarForCausalLM``) to mask tokens.
+
+    Idempotent: an existing gate is removed first. Returns the gate (``gate.remove()`` undoes it).
+    """
+    from peft.tuners.lora import Embedding as LoraEmbedding
+    from peft.tuners.lora import LoraLayer
+
+    tidar = tidar_model_of(peft_model)
+    old = getattr(tidar, "_tidar_mask_gate", None)
+    if old is not None:
+        old.remove()
+    gate = MaskGate(tidar.require_mask_token_id())
+    gate.handles.append(tidar.model.register_forward_pre_hook(_record_mask_positions(gate), with_kwargs=True))
+    for module in tidar.modules():
+        if not isinstance(module, LoraLayer):
+            continue
+        if isinstance(module, LoraEmbedding):
+            gate.handles.append(module.register_forward_hook(_gate_embedding(gate)))
+        elif hasattr(module, "lora_A"):
+            for lora_a in module.lora_A.values():
+                gate.handles.append(lora_a.register_forward_hook(_gate_lora_a(gate)))
+    if len(gate.handles) == 1:
+        raise ValueError("install_mask_gate found no LoRA layers to gate; wrap the model with get_gated_lora_model.")
+    tidar._tidar_mask_gate = gate
+    return gate
+
+
+def gated_lora_config(rank: int = 16, alpha: int | None = None, dropout: float = 0.0, target_modules=None):
+    """A plain ``LoraConfig`` for gated LoRA: attention + MLP projections, and a rank-1 ``[MASK]`` embedding.
+
+    ``lm_head`` is never a target: it reads clean hidden states and must stay the base model's.
+    """
+    from peft import LoraConfig
+
+    targets = list(target_modules or DEFAULT_TARGETS)
+    if "lm_head" in targets:
+        raise ValueError("lm_head can't be a gated-LoRA target: it must stay the base model's for the AR path.")
+    if EMBEDDING_TARGET not in targets:
+        targets.append(EMBEDDING_TARGET)
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha if alpha is not None else 2 * rank,
+        lora_dropout=dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+        # Only the [MASK] row of the embedding LoRA ever receives a gradient: rank 1 is all it needs.
+        rank_pattern={EMBEDDING_TARGET: 1},
+        alpha_pattern={EMBEDDING_TARGET: 1},
+    )
+
+
+def get_gated_lora_model(tidar_model: nn.Module, lora_config=None, adapter_name: str = "default"):
+    """Wrap a ``TidarForCausalLM`` with gated LoRA adapters for lossless draft training.
+
+    Only the diffusion loss trains: ``config.ar_loss_weight`` is set to 0, because the clean half's AR
+    loss has no gradient with respect to mask-only adapters (it would only shrink the step size).
+    """
+    from peft import get_peft_model
+
+    config = lora_config if lora_config is not None else gated_lora_config()
+    for name in ("use_dora", "lora_bias"):
+        if getattr(config, name, False):
+            raise ValueError(f"gated LoRA supports plain LoRA only; set {name}=False.")
+    if getattr(config, "alora_invocation_tokens", None):
+        raise ValueError("gated LoRA gates by itself; don't set alora_invocation_tokens.")
+    tidar_model.require_mask_token_id()
+    tidar_model.config.ar_loss_weight = 0.0
+    with warnings.catch_warnings():
+        # PEFT warns that a LoRA on a tied embedding isn't mirrored to lm_head; here that is the point.
+        warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
+        peft_model = get_peft_model(tidar_model, config, adapter_name=adapter_name)
+    install_mask_gate(peft_model)
+    return peft_model
+
+
+def architecture_of(tidar_model: nn.Module) -> dict:
+    """The backbone config fields an adapter depends on (see ``ARCHITECTURE_KEYS``)."""
+    text = tidar_model_of(tidar_model).config.get_text_config().to_dict()
+    return {key: text[key] for key in ARCHITECTURE_KEYS if key in text}
+
+
+def save_gate_info(peft_model: nn.Module, folder: str | os.PathLike) -> None:
+    """Write ``tidar_gate.json`` (mask token, block size, base architecture) into an adapter folder."""
+    tidar = tidar_model_of(peft_model)
+    info = {
+        "gated": True,
+        "mask_token_id": tidar.config.mask_token_id,
+        "block_size": tidar.config.block_size,
+        "base_architecture": architecture_of(tidar),
+    }
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / GATE_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n")
+
+
+def save_gated_lora(peft_model: nn.Module, folder: str | os.PathLike, **save_kwargs) -> None:
+    """``peft_model.save_pretrained(folder)`` plus the gate file that :func:`load_gated_lora` checks."""
+    # Without this PEFT also saves the whole (vocab x hidden) base embedding, because embed_tokens is a
+    # target; the base rows are the checkpoint's own and the [MASK] row is rebuilt by tidar_base_for_adapter.
+    save_kwargs.setdefault("save_embedding_layers", False)
+    peft_model.save_pretrained(folder, **save_kwargs)
+    save_gate_info(peft_model, folder)
+
+
+def read_gate_info(folder: str | os.PathLike) -> dict:
+    """The ``tidar_gate.json`` of an adapter folder, or a ``ValueError`` saying what the folder lacks."""
+    path = Path(folder) / GATE_FILE
+    if not path.exists():
+        raise ValueError(
+            f"{folder} is not a gated TiDAR adapter (no {GATE_FILE}); save adapters with save_gated_lora or "
+            "`hf-tidar train --method lora`."
+        )
+    return json.loads(path.read_text())
+
+
+def check_base_matches(tidar_model: nn.Module, info: dict, folder: str | os.PathLike = "adapter") -> None:
+    """Raise a ``ValueError`` listing every architecture field where the base model differs from the adapter's."""
+    expected = json.loads(json.dumps(info.get("base_architecture", {}), default=str))
+    actual = json.loads(json.dumps(architecture_of(tidar_model), default=str))
+    diffs = [f"{k}: adapter {expected.get(k)!r} vs model {actual.get(k)!r}"
+             for k in sorted(set(expected) | set(actual)) if expected.get(k) != actual.get(k)]
+    mask_id = tidar_model_of(tidar_model).config.mask_token_id
+    if info.get("mask_token_id") != mask_id:
+        diffs.append(f"mask_token_id: adapter {info.get('mask_token_id')!r} vs model {mask_id!r}")
+    if diffs:
+        raise ValueError(
+            f"The adapter in {folder} was trained on a different base model: " + "; ".join(diffs)
+            + ". Load it onto the checkpoint it was trained from (converted with TidarForCausalLM.from_ar)."
+        )
+
+
+def load_gated_lora(tidar_model: nn.Module, folder: str | os.PathLike, is_trainable: bool = False):
+    """Load a gated TiDAR adapter onto a ``TidarForCausalLM`` and install its gate.
+
+    The model's ``block_size`` is set to the adapter's (the drafts were trained for it).
+
+    Raises:
+        ValueError: the folder holds no gated adapter, or the base model differs from the adapter's.
+    """
+    from peft import PeftModel
+
+    info = read_gate_info(folder)
+    check_base_matches(tidar_model, info, folder)
+    tidar_model.config.block_size = int(info["block_size"])
+    tidar_model.config.ar_loss_weight = 0.0
+    peft_model = PeftModel.from_pretrained(tidar_model, str(folder), is_trainable=is_trainable)
+    install_mask_gate(peft_model)
+    return peft_model
+
+
+def set_mean_mask_embedding(tidar_model: nn.Module) -> None:
+    """Set the ``[MASK]`` rows (input and LM head) to the exact mean of the others (deterministic, unlike mean resizing).
+
+    A gated adapter's mask embedding is this row plus the adapter's delta, so the base must be the same
+    on every machine.
+    """
+    tidar = tidar_model_of(tidar_model)
+    mask_id = tidar.require_mask_token_id()
+    # An untied LM head got a random [MASK] row too; it only scores the (always suppressed) [MASK] token.
+    for weight in {id(w): w for w in (tidar.get_input_embeddings().weight, tidar.lm_head.weight)}.values():
+        with torch.no_grad():
+            others = torch.cat([weight[:mask_id], weight[mask_id + 1 :]])
+            weight[mask_id] = others.double().mean(0).to(weight.dtype)
+
+
+def tidar_base_for_adapter(ar_model, tokenizer=None, block_size: int = 4):
+    """Convert an AR model into the exact TiDAR base a gated adapter is trained on and loaded onto.
+
+    ``from_ar`` plus a deterministic ``[MASK]`` row (:func:`set_mean_mask_embedding`) when ``[MASK]`` was added.
+    """
+    from ..modeling import TidarForCausalLM
+
+    rows_before = ar_model.get_input_embeddings().num_embeddings
+    model = TidarForCausalLM.from_ar(ar_model, block_size=block_size, tokenizer=tokenizer)
+    if model.get_input_embeddings().num_embeddings > rows_before:
+        set_mean_mask_embedding(model)
+    return model
+
+
+def load_tidar_adapter(ar_model, adapter_folder: str | os.PathLike, tokenizer=None):
+    """What the demo needs: an AR checkpoint + a gated adapter folder -> a lossless TiDAR ``PeftModel``.
+
+    ``model.generate(ids, strategy="tidar")`` then equals the AR model's greedy output token for token.
+    """
+    info = read_gate_info(adapter_folder)
+    base = tidar_base_for_adapter(ar_model, tokenizer=tokenizer, block_size=int(info["block_size"]))
+    return load_gated_lora(base, adapter_folder).eval()

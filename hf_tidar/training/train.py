@@ -1,0 +1,290 @@
+"""``hf-tidar train``: turn an AR Llama/Qwen checkpoint into a TiDAR model with the stock ``Trainer``.
+
+Two methods:
+
+* ``--method full``: continual pretraining of every weight on the hybrid loss (the paper's recipe).
+* ``--method lora``: gated LoRA (:mod:`hf_tidar.training.gated_lora`): adapters act on ``[MASK]``
+  positions only and only the diffusion loss trains, so TiDAR output stays exactly the base model's.
+
+Checkpointing, resuming, logging, LR schedule, gradient accumulation, bf16 and multi-process runs
+(``torchrun`` / ``accelerate launch``; gloo on CPU) are the ``Trainer``'s own. Each checkpoint folder
+also gets ``tidar_training.json`` so a resume with the other method is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import get_last_checkpoint
+
+from .callbacks import HybridLossLogger
+from .corpus import STDLIB, load_corpus, packed_dataset
+
+METHODS = ("full", "lora")
+MARKER = "tidar_training.json"
+TINY = "tiny"
+SMOLLM2 = "smollm2"
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``train`` options to ``parser`` (shared by ``hf-tidar train`` and ``examples/train_tidar.py``)."""
+    add = parser.add_argument
+    add("--model", default=TINY, help="AR checkpoint folder (or hub id), 'smollm2', or 'tiny' (a fresh 4-layer "
+        "Llama with a byte tokenizer, for smoke tests; default)")
+    add("--method", choices=METHODS, default="full", help="full continual pretraining, or lossless gated LoRA")
+    add("--output", default="outputs/tidar", help="output folder (checkpoints go under it too)")
+    add("--block-size", type=int, default=4, help="diffusion block size B (default: 4)")
+    add("--alpha", type=float, default=1.0, help="AR loss weight in (alpha*L_AR + L_Diff)/(1+alpha); full only")
+    add("--data", nargs="*", default=[STDLIB], help="text sources: files, folders, .jsonl, a saved dataset or a "
+        "dataset name; 'stdlib' = the Python standard library's source (default). Empty: --distilled only")
+    add("--distilled", nargs="*", default=[], help="self-distillation datasets (python -m hf_tidar.training.distill)")
+    add("--text-field", default="text", help="JSONL / dataset field holding the text")
+    add("--max-files", type=int, default=None, help="read at most this many files per folder source")
+    add("--held-out-fraction", type=float, default=0.05, help="documents kept out of training (hash split)")
+    add("--seq-len", type=int, default=256, help="packed sample length; must be a multiple of --block-size")
+    add("--batch-size", type=int, default=8, help="per-device batch size")
+    add("--grad-accum", type=int, default=1)
+    add("--learning-rate", type=float, default=None, help="default: 1e-5 full, 1e-3 lora")
+    add("--max-steps", type=int, default=100)
+    add("--warmup-ratio", type=float, default=0.01)
+    add("--lr-scheduler", default="cosine", help="any transformers scheduler name (default: cosine, as the paper)")
+    add("--lora-rank", type=int, default=16)
+    add("--lora-alpha", type=int, default=None, help="default: 2 x rank")
+    add("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only the final model)")
+    add("--save-total-limit", type=int, default=2)
+    add("--resume", default=None, help="checkpoint folder to resume from, or 'auto' (the last one in --output)")
+    add("--logging-steps", type=int, default=10)
+    add("--eval-samples", type=int, default=64, help="held-out packed samples evaluated at the end (0: none)")
+    add("--bf16", action="store_true", help="bf16 mixed precision (GPUs / CPUs that support it)")
+    add("--seed", type=int, default=0)
+    add("--json", action="store_true", help="print the final summary as JSON")
+    return parser
+
+
+# -- model ----------------------------------------------------------------------------------------
+
+
+def load_starting_point(name: str):
+    """The AR model and tokenizer to convert: a folder/hub id, ``smollm2`` or ``tiny``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    if name == SMOLLM2:
+        from ..checkpoints import load_smollm2
+
+        return load_smollm2()
+    if name == TINY:
+        from .data import byte_level_tokenizer
+
+        tokenizer = byte_level_tokenizer()
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        return LlamaForCausalLM(config), tokenizer
+    return AutoModelForCausalLM.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+
+
+def build_model(args: argparse.Namespace, ar_model, tokenizer):
+    """The TiDAR model to train: the full model, or a gated-LoRA ``PeftModel`` around it."""
+    from ..modeling import TidarForCausalLM
+    from .gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
+
+    if args.method == "full":
+        return TidarForCausalLM.from_ar(ar_model, block_size=args.block_size, tokenizer=tokenizer,
+                                        ar_loss_weight=args.alpha)
+    base = tidar_base_for_adapter(ar_model, tokenizer=tokenizer, block_size=args.block_size)
+    return get_gated_lora_model(base, gated_lora_config(rank=args.lora_rank, alpha=args.lora_alpha))
+
+
+# -- data -----------------------------------------------------------------------------------------
+
+
+def build_datasets(args: argparse.Namespace, tokenizer):
+    """(train, held-out) datasets with ``input_ids`` and ``labels``; the held-out one may be ``None``."""
+    from datasets import concatenate_datasets
+
+    from .distill import load_distilled
+
+    parts, held_out, notes = [], None, []
+    if args.data:
+        corpus = load_corpus(args.data, args.held_out_fraction, args.text_field, args.max_files)
+        notes.append(corpus.summary())
+        parts.append(packed_dataset(tokenizer, corpus.train, args.seq_len, args.block_size))
+        if corpus.held_out and args.eval_samples:
+            try:
+                held_out = packed_dataset(tokenizer, corpus.held_out, args.seq_len, args.block_size)
+                held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
+            except ValueError:
+                held_out = None  # too little held-out text for one sample: skip evaluation
+    for path in args.distilled:
+        distilled = load_distilled(path)
+        notes.append(f"{len(distilled)} distilled rows from {path}")
+        parts.append(distilled.select_columns(["input_ids", "labels"]))
+    if not parts:
+        raise ValueError("No training data: give --data sources and/or --distilled datasets.")
+    train = parts[0] if len(parts) == 1 else concatenate_datasets([p.cast(parts[0].features) for p in parts])
+    return train, held_out, "; ".join(notes)
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+
+class MethodMarker(TrainerCallback):
+    """Write ``tidar_training.json`` (method, block size, alpha) into every checkpoint folder."""
+
+    def __init__(self, info: dict):
+        self.info = info
+
+    def on_save(self, args, state, control, **kwargs):
+        folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if state.is_world_process_zero and folder.exists():
+            (folder / MARKER).write_text(json.dumps(self.info) + "\n")
+
+
+def checkpoint_method(folder: Path) -> str | None:
+    """The method a checkpoint was trained with (from its marker, else from its files), or ``None``."""
+    marker = folder / MARKER
+    if marker.exists():
+        return json.loads(marker.read_text()).get("method")
+    if (folder / "adapter_config.json").exists():
+        return "lora"
+    if (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists():
+        return "full"
+    return None
+
+
+def resolve_resume(args: argparse.Namespace) -> str | None:
+    """The checkpoint to resume from, checked against ``--method`` and ``--block-size``."""
+    if not args.resume:
+        return None
+    if args.resume == "auto":
+        last = get_last_checkpoint(args.output) if Path(args.output).is_dir() else None
+        if last is None:
+            return None  # nothing yet: a fresh run
+        folder = Path(last)
+    else:
+        folder = Path(args.resume)
+        if not folder.is_dir():
+            raise ValueError(f"--resume {args.resume}: no such checkpoint folder.")
+    method = checkpoint_method(folder)
+    if method is not None and method != args.method:
+        raise ValueError(
+            f"{folder} is a --method {method} checkpoint; it can't resume a --method {args.method} run. "
+            f"Resume with --method {method}, or start a fresh run in another --output."
+        )
+    marker = folder / MARKER
+    if marker.exists():
+        block = json.loads(marker.read_text()).get("block_size")
+        if block is not None and block != args.block_size:
+            raise ValueError(f"{folder} was trained with --block-size {block}, not {args.block_size}.")
+    return str(folder)
+
+
+# -- the run --------------------------------------------------------------------------------------
+
+
+def training_arguments(args: argparse.Namespace) -> TrainingArguments:
+    """``TrainingArguments`` from the command-line options."""
+    if args.bf16 and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and torch.cuda.is_available():
+        raise ValueError("--bf16: this GPU does not support bf16; drop --bf16.")
+    learning_rate = args.learning_rate if args.learning_rate is not None else (1e-3 if args.method == "lora" else 1e-5)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return TrainingArguments(
+        output_dir=args.output,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.grad_accum,
+        learning_rate=learning_rate,
+        lr_scheduler_type=args.lr_scheduler,
+        warmup_steps=max(0, round(args.warmup_ratio * args.max_steps)),
+        logging_steps=args.logging_steps,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        save_total_limit=args.save_total_limit,
+        bf16=args.bf16,
+        seed=args.seed,
+        report_to=[],
+        remove_unused_columns=False,
+        # Without use_cpu, accelerate leaves a CPU-only torchrun job undistributed: every process would
+        # train alone on its shard, silently (checked in run_training).
+        use_cpu=distributed and not torch.cuda.is_available(),
+        ddp_backend="gloo" if distributed and not torch.cuda.is_available() else None,
+        dataloader_drop_last=distributed,
+    )
+
+
+def run_training(args: argparse.Namespace) -> dict:
+    """Train as ``args`` say; save the model (full) or the gated adapter (lora) to ``args.output``.
+
+    Returns a summary (losses, steps, seconds, where the result is).
+    """
+    from .gated_lora import save_gated_lora
+
+    if args.method == "lora" and args.alpha != 1.0:
+        raise ValueError("--alpha has no effect with --method lora (only the diffusion loss trains); drop it.")
+    resume = resolve_resume(args)
+    ar_model, tokenizer = load_starting_point(args.model)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = build_model(args, ar_model, tokenizer)
+    training_args = training_arguments(args)
+    with training_args.main_process_first(desc="tokenising"):
+        train_set, held_out, notes = build_datasets(args, tokenizer)
+    trainer = Trainer(
+        model=model, args=training_args, train_dataset=train_set, eval_dataset=held_out,
+        processing_class=tokenizer,
+        data_collator=DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
+        callbacks=[MethodMarker({"method": args.method, "block_size": args.block_size, "alpha": args.alpha})],
+    )
+    if training_args.world_size > 1 and trainer.accelerator.num_processes != training_args.world_size:
+        raise ValueError(f"WORLD_SIZE={training_args.world_size} but accelerate set up "
+                         f"{trainer.accelerator.num_processes} process(es); launch with torchrun or accelerate launch.")
+    HybridLossLogger.attach(trainer)
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume)
+    seconds = time.perf_counter() - start
+    summary = {
+        "method": args.method, "processes": trainer.accelerator.num_processes, "data": notes, "train_samples": len(train_set), "steps": trainer.state.global_step,
+        "train_loss": result.training_loss, "seconds": round(seconds, 1), "output": args.output,
+        "last_log": next((e for e in reversed(trainer.state.log_history) if "diffusion_loss" in e), {}),
+        # ar_loss / diffusion_loss are means over all processes (HybridLossLogger); Trainer's "loss" may not be.
+        "diffusion_losses": [e["diffusion_loss"] for e in trainer.state.log_history if "diffusion_loss" in e],
+        "ar_losses": [e["ar_loss"] for e in trainer.state.log_history if "ar_loss" in e],
+    }
+    if held_out is not None:
+        summary["eval_loss"] = trainer.evaluate()["eval_loss"]
+    if args.method == "full":
+        trainer.save_model(args.output)  # every process: FSDP / DeepSpeed gather the shards here
+    if trainer.is_world_process_zero():
+        if args.method == "lora":
+            save_gated_lora(model, args.output)
+        tokenizer.save_pretrained(args.output)
+    return summary
+
+
+def main(argv=None) -> int:
+    """Entry point shared by ``hf-tidar train`` and ``examples/train_tidar.py``."""
+    args = add_train_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
+    return report(run_training(args), as_json=args.json)
+
+
+def report(summary: dict, as_json: bool) -> int:
+    """Print a run summary (rank 0 only under torchrun)."""
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    if as_json:
+        print(json.dumps(summary, default=float))
+    else:
+        print(f"trained {summary['steps']} steps ({summary['method']}) in {summary['seconds']} s on "
+              f"{summary['data']}; final log {summary['last_log']}; saved to {summary['output']}")
+    return 0

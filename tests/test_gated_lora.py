@@ -1,0 +1,112 @@
+"""Gated LoRA: adapters act only on [MASK] positions, so the clean (AR) path is exactly the base model's."""
+
+import warnings
+
+import pytest
+import torch
+from toy import counting_batch, tiny_ar_model
+
+from hf_tidar.training.gated_lora import (
+    GATE_FILE,
+    gated_lora_config,
+    get_gated_lora_model,
+    load_gated_lora,
+    load_tidar_adapter,
+    save_gated_lora,
+    tidar_base_for_adapter,
+)
+
+VOCAB, BLOCK = 32, 4
+
+
+def _trained_gated_model(tie: bool = False, steps: int = 8, seed: int = 0):
+    """A gated-LoRA TiDAR model after a few optimizer steps on counting data, and its untouched AR source."""
+    ar = tiny_ar_model("llama", vocab_size=VOCAB, tie=tie, seed=seed)
+    model = get_gated_lora_model(tidar_base_for_adapter(ar, block_size=BLOCK), gated_lora_config(rank=4))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        batch = counting_batch(4, 16, VOCAB, generator)
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.eval(), ar
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_clean_logits_exact_and_mask_logits_changed(tie):
+    model, _ = _trained_gated_model(tie=tie)
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert any(p.abs().sum() > 0 for n, p in model.named_parameters() if "lora_B" in n or "embedding_A" in n)
+    ids = counting_batch(2, 12, VOCAB, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        gated = model(input_ids=ids, labels=ids).logits
+        with model.disable_adapter():
+            base = model(input_ids=ids, labels=ids).logits
+        plain_ar = model(input_ids=ids).logits  # AR forward, no mask tokens at all
+        with model.disable_adapter():
+            plain_base = model(input_ids=ids).logits
+    seq_len = ids.shape[1]
+    assert torch.equal(gated[:, :seq_len], base[:, :seq_len])  # every clean logit, [MASK] column included
+    assert not torch.allclose(gated[:, seq_len:], base[:, seq_len:])  # the drafts did change
+    assert torch.equal(plain_ar, plain_base)
+    assert all(p.grad is None or p.requires_grad for p in adapters)
+
+
+def test_only_adapters_train_and_ar_loss_weight_is_zero():
+    model, ar = _trained_gated_model(steps=2)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not any("lm_head" in n for n in trainable)
+    assert model.base_model.model.config.ar_loss_weight == 0.0
+    tidar = model.base_model.model
+    for name, weight in ar.state_dict().items():  # base weights untouched by training
+        if name in tidar.state_dict() and "embed_tokens" not in name and "lm_head" not in name:
+            assert torch.equal(weight, tidar.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_tidar_greedy_equals_base_greedy_through_peft_generate(tie):
+    model, ar = _trained_gated_model(tie=tie)
+    prompt = counting_batch(1, 6, VOCAB, torch.Generator().manual_seed(3))
+    out = model.generate(input_ids=prompt, max_new_tokens=20, strategy="tidar", return_dict_in_generate=True)
+    reference = ar.generate(prompt, max_new_tokens=20, do_sample=False)
+    assert torch.equal(out.sequences, reference)
+    assert int(out.forward_passes[0]) < 20  # the strategy really ran (AR would need one pass per token)
+
+
+def test_save_load_round_trip_and_wrong_base(tmp_path):
+    model, ar = _trained_gated_model()
+    save_gated_lora(model, tmp_path)
+    assert (tmp_path / GATE_FILE).exists() and (tmp_path / "adapter_config.json").exists()
+    ids = counting_batch(1, 8, VOCAB, torch.Generator().manual_seed(9))
+    loaded = load_tidar_adapter(ar, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=ids, labels=ids).logits, model(input_ids=ids, labels=ids).logits,
+                                   rtol=0, atol=0)
+    other = tiny_ar_model("llama", vocab_size=VOCAB, hidden_size=48)
+    with pytest.raises(ValueError, match="different base model.*hidden_size"):
+        load_tidar_adapter(other, tmp_path)
+    wrong_mask = tidar_base_for_adapter(tiny_ar_model("llama", vocab_size=VOCAB + 1), block_size=BLOCK)
+    with pytest.raises(ValueError, match="vocab_size"):
+        load_gated_lora(wrong_mask, tmp_path)
+    with pytest.raises(ValueError, match="not a gated TiDAR adapter"):
+        load_tidar_adapter(ar, tmp_path / "missing")
+
+
+def test_peft_alora_does_not_gate_tidar_layouts():
+    """Why we gate ourselves: activated LoRA starts at the *last* invocation, so one mask token of a block of 4."""
+    from peft.tuners.lora.variants import calculate_alora_offsets
+
+    model, _ = _trained_gated_model(steps=0)
+    mask = model.base_model.model.config.mask_token_id
+    config = gated_lora_config(rank=2)
+    config.alora_invocation_tokens = [mask]
+    ids = torch.tensor([[5, 6, 7, mask, mask, mask, mask]])  # prefill layout: prompt + one group
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        offsets = calculate_alora_offsets({"default": config}, "default", ids)
+    assert offsets == [1]  # aLoRA would adapt 1 of the 4 mask tokens
+    with pytest.raises(ValueError, match="alora_invocation_tokens"):
+        get_gated_lora_model(tidar_base_for_adapter(tiny_ar_model("llama"), block_size=BLOCK), config)

@@ -1,0 +1,83 @@
+"""`hf-tidar train` on the stock Trainer: both methods, checkpoint resume, and a 2-process DDP run on CPU."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_tidar.cli import main as cli_main
+from hf_tidar.training.gated_lora import load_tidar_adapter
+from hf_tidar.training.train import load_starting_point, main
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tidar.py"
+SMALL = ["--max-files", "6", "--seq-len", "32", "--batch-size", "4", "--logging-steps", "1", "--eval-samples", "0"]
+
+
+def _run(tmp_path, capsys, *extra):
+    assert main([*SMALL, "--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_full_training_lowers_both_losses_and_resume_continues_exactly(tmp_path, capsys):
+    common = ["--learning-rate", "3e-3", "--lr-scheduler", "constant", "--max-steps", "8"]
+    straight = _run(tmp_path, capsys, *common, "--output", str(tmp_path / "a"))
+    assert straight["ar_losses"][-1] < 0.9 * straight["ar_losses"][0]
+    assert straight["diffusion_losses"][-1] < 0.9 * straight["diffusion_losses"][0]
+
+    out = str(tmp_path / "b")
+    _run(tmp_path, capsys, *common[:-1], "4", "--save-steps", "4", "--output", out)
+    resumed = _run(tmp_path, capsys, *common, "--save-steps", "4", "--resume", "auto", "--output", out)
+    # The history of steps 1..4 comes from the checkpoint; 5..8 were trained after resuming.
+    assert resumed["steps"] == 8 and len(resumed["diffusion_losses"]) == 8
+    assert resumed["diffusion_losses"] == pytest.approx(straight["diffusion_losses"], rel=1e-5)
+    assert resumed["ar_losses"] == pytest.approx(straight["ar_losses"], rel=1e-5)
+
+
+def test_gated_lora_training_is_lossless_and_resume_checks_the_method(tmp_path, capsys):
+    out = tmp_path / "lora"
+    summary = _run(tmp_path, capsys, "--method", "lora", "--learning-rate", "1e-2", "--max-steps", "4",
+                   "--save-steps", "2", "--output", str(out))
+    frozen = _run(tmp_path, capsys, "--method", "lora", "--learning-rate", "0", "--max-steps", "4",
+                  "--output", str(tmp_path / "frozen"))
+    assert summary["diffusion_losses"][-1] < frozen["diffusion_losses"][-1]  # same batches: the drafts learned
+    assert summary["ar_losses"] == frozen["ar_losses"]  # ...and the clean path did not move at all
+    assert (out / "adapter_config.json").exists() and (out / "checkpoint-4" / "tidar_training.json").exists()
+
+    ar, tokenizer = load_starting_point("tiny")
+    model = load_tidar_adapter(ar, out).double()
+    prompt = tokenizer("def add(a, b):\n    return", return_tensors="pt")["input_ids"]
+    tidar = model.generate(prompt, max_new_tokens=24, strategy="tidar")
+    assert torch.equal(tidar, ar.double().generate(prompt, max_new_tokens=24, do_sample=False))
+
+    with pytest.raises(ValueError, match="is a --method lora checkpoint"):
+        main([*SMALL, "--method", "full", "--max-steps", "6", "--resume", "auto", "--output", str(out)])
+    with pytest.raises(ValueError, match="--alpha has no effect"):
+        main([*SMALL, "--method", "lora", "--alpha", "0.5", "--output", str(tmp_path / "x")])
+
+
+def test_cli_reports_bad_block_size(tmp_path, capsys):
+    code = cli_main(["train", "--seq-len", "30", "--block-size", "4", "--output", str(tmp_path), "--max-files", "2"])
+    assert code == 1 and "not a multiple of block_size=4" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_two_process_ddp_matches_one_process_on_the_same_global_batch(tmp_path):
+    common = [*SMALL[:-4], "--logging-steps", "1", "--eval-samples", "0", "--max-steps", "3",
+              "--learning-rate", "1e-3", "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+    def run(launcher, batch, name):
+        args = [*launcher, str(EXAMPLE), *common, "--batch-size", str(batch), "--output", str(tmp_path / name)]
+        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    ddp = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"], 2, "ddp")
+    single = run([sys.executable], 4, "single")
+    assert ddp["processes"] == 2 and single["processes"] == 1
+    assert ddp["diffusion_losses"] == pytest.approx(single["diffusion_losses"], rel=1e-5)
+    assert ddp["ar_losses"] == pytest.approx(single["ar_losses"], rel=1e-5)

@@ -1,0 +1,106 @@
+"""Corpora (files, folders, JSONL, datasets), the by-document split, packing and self-distillation data."""
+
+import json
+
+import pytest
+import torch
+from toy import tiny_ar_model
+
+from hf_tidar.training.corpus import check_block_alignment, is_held_out, load_corpus, packed_dataset
+from hf_tidar.training.data import byte_level_tokenizer
+from hf_tidar.training.distill import code_prompts, distill, encode_prompts, greedy_continuations, load_distilled
+
+
+@pytest.fixture
+def corpus_dir(tmp_path):
+    folder = tmp_path / "corpus"
+    (folder / "pkg").mkdir(parents=True)
+    for i in range(12):
+        (folder / "pkg" / f"mod{i}.py").write_text(f"def f{i}(x):\n    return x + {i}\n" * 8)
+    (folder / "bad.py").write_bytes(b"\xff\xfe\x00 not utf-8 \xc3\x28")
+    (folder / "empty.txt").write_text("  \n")
+    (folder / "image.png").write_bytes(b"\x89PNG")  # not a text suffix: not even looked at
+    (folder / ".hidden").mkdir()
+    (folder / ".hidden" / "secret.py").write_text("x = 1\n")
+    records = [{"text": "first record"}, {"other": "no text field"}, "not an object", {"text": ""}]
+    (folder / "notes.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n{broken json\n")
+    return folder
+
+
+def test_folder_jsonl_and_bad_files_are_counted(corpus_dir):
+    split = load_corpus([str(corpus_dir)], held_out_fraction=0.0)
+    names = {doc.name for doc in split.train}
+    assert len([n for n in names if n.endswith(".py")]) == 12  # the hidden and undecodable ones are not in
+    assert any(n.endswith("notes.jsonl:0") for n in names)
+    # bad.py + empty.txt + 4 bad JSONL lines (no field, not an object, empty text, broken JSON)
+    assert split.skipped == 6
+
+
+def test_split_is_by_document_stable_and_disjoint(corpus_dir):
+    first = load_corpus([str(corpus_dir)], held_out_fraction=0.5)
+    again = load_corpus([str(corpus_dir / "pkg"), str(corpus_dir / "notes.jsonl")], held_out_fraction=0.5)
+    train, held = {d.name for d in first.train}, {d.name for d in first.held_out}
+    assert train and held and not train & held
+    assert {d.name for d in again.held_out} == held  # same names, same side, whatever else is read
+    assert all(is_held_out(name, 0.5) for name in held)
+
+
+def test_saved_dataset_source(tmp_path):
+    from datasets import Dataset
+
+    Dataset.from_dict({"body": ["alpha beta", "", "gamma"]}).save_to_disk(str(tmp_path / "ds"))
+    split = load_corpus([str(tmp_path / "ds")], held_out_fraction=0.0, text_field="body")
+    assert [d.text for d in split.train] == ["alpha beta", "gamma"] and split.skipped == 1
+    with pytest.raises(ValueError, match="no 'text' column"):
+        load_corpus([str(tmp_path / "ds")])
+
+
+def test_no_usable_text_is_a_clear_error(tmp_path):
+    (tmp_path / "empty.py").write_text("")
+    (tmp_path / "bad.txt").write_bytes(b"\xff\xff")
+    with pytest.raises(ValueError, match="No usable training text.*2 skipped"):
+        load_corpus([str(tmp_path)])
+
+
+def test_packing_needs_whole_blocks(corpus_dir):
+    tokenizer = byte_level_tokenizer()
+    docs = load_corpus([str(corpus_dir)], held_out_fraction=0.0).train
+    data = packed_dataset(tokenizer, docs, seq_len=32, block_size=4)
+    assert len(data) > 10 and all(len(row) == 32 for row in data["input_ids"])
+    assert data["labels"] == data["input_ids"]
+    joined = sum((tokenizer(d.text)["input_ids"] + [tokenizer.eos_token_id] for d in docs), [])
+    assert data["input_ids"][0] == joined[:32] and data["input_ids"][1] == joined[32:64]
+    with pytest.raises(ValueError, match="not a multiple of block_size=4; use --seq-len 28 or 32"):
+        check_block_alignment(30, 4)
+
+
+def test_distillation_is_batched_exactly_and_resumable(tmp_path, corpus_dir, monkeypatch):
+    tokenizer = byte_level_tokenizer()
+    model = tiny_ar_model("llama", vocab_size=len(tokenizer))
+    docs = load_corpus([str(corpus_dir / "pkg")], held_out_fraction=0.0).train
+    prompts = encode_prompts(tokenizer, code_prompts(docs, 6, max_lines=3, seed=1), chat=[])
+    assert len({len(p) for p in prompts}) > 1  # ragged: the batch really is left-padded
+    batched = greedy_continuations(model, prompts, 6, tokenizer.pad_token_id, None)
+    singles = [greedy_continuations(model, [p], 6, tokenizer.pad_token_id, None)[0] for p in prompts]
+    assert batched == singles
+
+    data = distill(model, tokenizer, prompts, tmp_path / "d", max_new_tokens=6, batch_size=4, shard_size=4,
+                   progress=False)
+    assert data["input_ids"] == [p + c for p, c in zip(prompts, batched, strict=True)]
+    assert data["labels"][0] == [-100] * len(prompts[0]) + batched[0]
+
+    import shutil
+
+    import hf_tidar.training.distill as module
+
+    shutil.rmtree(tmp_path / "d" / "shards" / "00001")  # as if interrupted during the second shard
+    calls = []
+    original = module.greedy_continuations
+    monkeypatch.setattr(module, "greedy_continuations", lambda m, b, *a: calls.append(len(b)) or original(m, b, *a))
+    again = distill(model, tokenizer, prompts, tmp_path / "d", max_new_tokens=6, batch_size=4, shard_size=4,
+                    progress=False)
+    assert calls == [2] and again["input_ids"] == data["input_ids"]  # only the missing shard was generated
+    assert load_distilled(tmp_path / "d")["labels"] == data["labels"]
+    with pytest.raises(ValueError, match="other prompts"):
+        distill(model, tokenizer, prompts[:3], tmp_path / "d", max_new_tokens=6, progress=False)
+    assert torch.is_tensor(torch.tensor(again["input_ids"][0]))
