@@ -268,6 +268,16 @@ def test_tidar_generate_identical_to_sdpa(tiny_pair, monkeypatch):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("layout", [dict(), dict(draft_length=3, draft_groups=[1, 3])])
+def test_batched_generate_with_layouts_identical_to_sdpa(tiny_pair, layout):
+    sdpa_model, triton_model = tiny_pair
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding: rows of different lengths, so acceptance (and cache holes) differ
+    kwargs = dict(attention_mask=mask, max_new_tokens=9, strategy="tidar", do_sample=False, pad_token_id=0, **layout)
+    assert torch.equal(triton_model.generate(ids, **kwargs), sdpa_model.generate(ids, **kwargs))
+
+
 def test_plain_ar_forward_falls_back_to_sdpa(tiny_pair):
     sdpa_model, triton_model = tiny_pair
     ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(4)).to(DEVICE)
