@@ -140,18 +140,28 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             raise TypeError(f"from_ar expects a PreTrainedModel or a path, got {type(model_or_path).__name__}.")
         check_backbone_type(getattr(ar_model.config, "model_type", None))
 
-        text_config = copy.deepcopy(ar_model.config)
         config = TidarConfig(
-            text_config=text_config.to_dict(),
+            text_config=copy.deepcopy(ar_model.config).to_dict(),
             block_size=block_size,
             mask_token_id=mask_token_id,
             ar_loss_weight=ar_loss_weight,
         )
-        config.text_config._attn_implementation = ar_model.config._attn_implementation
-        model = cls(config).to(dtype=ar_model.dtype, device=ar_model.device)
-        model.load_state_dict(ar_model.state_dict(), strict=False)
+        return cls._from_backbone_weights(ar_model, config, tokenizer)
+
+    @classmethod
+    def _from_backbone_weights(cls, source: PreTrainedModel, config, tokenizer=None):
+        """Build ``cls(config)`` with ``source``'s weights, generation config and attention implementation.
+
+        Adds a ``[MASK]`` token when ``config.mask_token_id`` is ``None``; otherwise checks it fits.
+        """
+        config.text_config._attn_implementation = source.config._attn_implementation
+        model = cls(config).to(dtype=source.dtype, device=source.device)
+        missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
+        if unexpected or [k for k in missing if k != "lm_head.weight"]:
+            raise ValueError(f"Weights do not match the backbone: missing {missing}, unexpected {unexpected}.")
         model.tie_weights()
-        model.generation_config = copy.deepcopy(ar_model.generation_config)
+        model.generation_config = copy.deepcopy(source.generation_config)
+        mask_token_id = config.mask_token_id
         if mask_token_id is None:
             model._add_mask_token(tokenizer)
         elif not 0 <= mask_token_id < model.get_input_embeddings().num_embeddings:

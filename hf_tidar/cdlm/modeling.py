@@ -106,21 +106,7 @@ class CdlmForCausalLM(TidarForCausalLM):
     def _convert(cls, source: PreTrainedModel, text_config, mask_token_id, tokenizer, fields: dict) -> CdlmForCausalLM:
         check_backbone_type(getattr(text_config, "model_type", None))
         config = CdlmConfig(text_config=copy.deepcopy(text_config).to_dict(), mask_token_id=mask_token_id, **fields)
-        config.text_config._attn_implementation = text_config._attn_implementation
-        model = cls(config).to(dtype=source.dtype, device=source.device)
-        missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
-        if unexpected or [k for k in missing if k != "lm_head.weight"]:
-            raise ValueError(f"Weights do not match the backbone: missing {missing}, unexpected {unexpected}.")
-        model.tie_weights()
-        model.generation_config = copy.deepcopy(source.generation_config)
-        if mask_token_id is None:
-            model._add_mask_token(tokenizer)
-        elif not 0 <= mask_token_id < model.get_input_embeddings().num_embeddings:
-            raise ValueError(
-                f"mask_token_id={mask_token_id} is outside the embedding table "
-                f"({model.get_input_embeddings().num_embeddings} rows)."
-            )
-        return model
+        return cls._from_backbone_weights(source, config, tokenizer)
 
     # -- layouts and forward ----------------------------------------------------------------------
 
