@@ -16,6 +16,16 @@ import pytest
 from toy import train_counting_tidar
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread():
+    """Every test model is tiny: one thread avoids OpenMP barrier stalls, which cost up to 50x on a busy
+    2-core machine. Tests that need more (multi-process training) start their own processes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def counting_model():
     """A tiny TiDAR Llama whose drafts are right by construction (trained on counting, block 4)."""

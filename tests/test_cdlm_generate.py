@@ -15,15 +15,6 @@ from hf_tidar.cdlm import bidirectional_layout, block_causal_layout
 from hf_tidar.masks import positions_from_padding, to_bool_mask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread avoids OpenMP barrier stalls on a busy 2-core machine (50x here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def peaky_student(model_type: str = "llama", shift: bool = False, block_size: int = 4, scale: float = 25.0, seed=0):
     """A random block-causal student whose head is scaled so that many tokens pass a 0.5 threshold."""
     teacher = CdlmForCausalLM.from_ar(tiny_ar_model(model_type, seed=seed), block_size=block_size, shift_logits=shift)

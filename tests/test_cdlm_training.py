@@ -17,13 +17,6 @@ from hf_tidar.training import byte_level_tokenizer
 BLOCK = 4
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one thread avoids OpenMP barrier stalls on a busy 2-core machine (50x here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
