@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import warnings
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -75,6 +78,16 @@ def _needs_autograd(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+@functools.cache
+def _warn_dense_fallback(reason: str) -> None:
+    """Say once per reason that a structured step runs on dense-mask sdpa instead of the kernel."""
+    warnings.warn(
+        f"tidar_triton: falling back to sdpa with a dense mask ({reason}); the kernel is forward-only for "
+        "fp32/fp16/bf16 without dropout. Results are the same, memory and time are not.",
+        stacklevel=3,
+    )
+
+
 def tidar_triton_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -104,6 +117,7 @@ def tidar_triton_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
     if dropout > 0.0 or query.dtype not in KERNEL_DTYPES or _needs_autograd(query, key, value):
+        _warn_dense_fallback(f"dropout={dropout}, dtype={query.dtype}, autograd={_needs_autograd(query, key, value)}")
         dense = to_bool_mask(attention_mask.tidar_layout).to(query.device)
         return sdpa_attention_forward(module, query, key, value, dense, dropout=dropout, scaling=scaling, **kwargs)
     return tidar_attention(query, key, value, attention_mask, scale=scaling), None
