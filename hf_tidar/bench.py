@@ -37,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedModel
 
 PROMPT_SETS = ("code", "chat", "arithmetic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +126,7 @@ class BenchConfig:
     assistant: str | None = None
     dlm_teacher: str | None = None
     cdlm_student: str | None = None
+    adapter: str | None = None  # gated TiDAR adapter folder, or "shipped" (the packaged SmolLM2 adapter)
     threshold: float = 0.9
     methods: list[str] | None = None  # names to keep (prefix match); None: all that apply
     batch_sizes: list[int] = field(default_factory=lambda: [1])
@@ -138,6 +140,8 @@ class BenchConfig:
         """Raise a ``ValueError`` that says what to change."""
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
+        if self.adapter and self.model != "smollm2":
+            raise ValueError("--adapter applies to the smollm2 model; save other adapted models as folders instead.")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError("--device cuda was asked for but torch sees no CUDA device; use --device cpu.")
         for name, values in (("--draft-length", self.draft_lengths), ("--batch-size", self.batch_sizes)):
@@ -159,10 +163,17 @@ class Models:
 
     main: torch.nn.Module
     tokenizer: object
+    ar_baseline: torch.nn.Module | None = None  # the untouched AR checkpoint, when main carries an adapter
     assistant: torch.nn.Module | None = None
     dlm_teacher: torch.nn.Module | None = None
     cdlm_student: torch.nn.Module | None = None
     description: str = ""
+
+    @property
+    def baseline(self) -> torch.nn.Module:
+        """The model the AR rows run: the original checkpoint when an adapter is loaded (so LoRA layers
+        do not slow the baseline down), else the main model's own AR path."""
+        return self.ar_baseline if self.ar_baseline is not None else self.main
 
 
 def load_models(config: BenchConfig) -> Models:
@@ -171,7 +182,17 @@ def load_models(config: BenchConfig) -> Models:
 
     block = max([*config.draft_lengths, 1])
     dtype, device = DTYPES[config.dtype], torch.device(config.device)
-    if config.model == "smollm2":
+    ar_baseline = None
+    if config.model == "smollm2" and config.adapter:
+        from .checkpoints import load_smollm2
+        from .demo import SHIPPED_ADAPTER
+        from .training.gated_lora import load_tidar_adapter
+
+        ar_baseline, tokenizer = load_smollm2(quiet=True)
+        adapter = SHIPPED_ADAPTER if config.adapter == "shipped" else Path(config.adapter)
+        main = load_tidar_adapter(ar_baseline, adapter, tokenizer=tokenizer)
+        description = f"SmolLM2-135M-Instruct + gated TiDAR adapter ({adapter.name})"
+    elif config.model == "smollm2":
         from .checkpoints import load_smollm2
 
         ar, tokenizer = load_smollm2(quiet=True)
@@ -189,12 +210,21 @@ def load_models(config: BenchConfig) -> Models:
     tokenizer.padding_side = "left"
     main.generation_config.pad_token_id = tokenizer.pad_token_id
     models = Models(main.to(device=device, dtype=dtype).eval(), tokenizer, description=description)
+    if ar_baseline is not None:
+        ar_baseline.generation_config.pad_token_id = tokenizer.pad_token_id
+        models.ar_baseline = ar_baseline.to(device=device, dtype=dtype).eval()
     if config.assistant:
         models.assistant = _load_assistant(config.assistant, main).to(device=device, dtype=dtype).eval()
     for name in ("dlm_teacher", "cdlm_student"):
         if getattr(config, name):
             setattr(models, name, _load_diffusion(getattr(config, name), tokenizer).to(device=device, dtype=dtype).eval())
     return models
+
+
+def _backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack whose calls count forward passes (inside a ``PeftModel`` too)."""
+    inner = getattr(getattr(model, "base_model", None), "model", None)
+    return (inner if inner is not None and not isinstance(model, PreTrainedModel) else model).model
 
 
 def tiny_ar_model(seed: int = 0):
@@ -310,13 +340,13 @@ def register_method(name: str) -> Callable[[MethodBuilder], MethodBuilder]:
 
 @register_method("ar")
 def _ar_methods(config: BenchConfig, models: Models) -> list[Method]:
-    return [Method("ar", "ar", "main", {"strategy": "ar"})]
+    return [Method("ar", "ar", "baseline", {"strategy": "ar"})]
 
 
 @register_method("prompt_lookup")
 def _prompt_lookup_methods(config: BenchConfig, models: Models) -> list[Method]:
     n = config.prompt_lookup_tokens
-    return [Method(f"prompt-lookup-{n}", "assisted", "main", {"strategy": "ar", "prompt_lookup_num_tokens": n},
+    return [Method(f"prompt-lookup-{n}", "assisted", "baseline", {"strategy": "ar", "prompt_lookup_num_tokens": n},
                    max_batch=1)]
 
 
@@ -324,7 +354,7 @@ def _prompt_lookup_methods(config: BenchConfig, models: Models) -> list[Method]:
 def _assisted_methods(config: BenchConfig, models: Models) -> list[Method]:
     if models.assistant is None:
         return []
-    return [Method("assisted-draft-model", "assisted", "main",
+    return [Method("assisted-draft-model", "assisted", "baseline",
                    {"strategy": "ar", "assistant_model": models.assistant}, max_batch=1)]
 
 
@@ -526,6 +556,8 @@ class MethodRun:
         self.model = getattr(models, method.model)
         self.kwargs = dict(method.kwargs, max_new_tokens=config.max_new_tokens, do_sample=do_sample,
                            return_dict_in_generate=True, pad_token_id=models.tokenizer.pad_token_id)
+        if not hasattr(self.model, "supported_strategies") and self.kwargs.get("strategy") == "ar":
+            del self.kwargs["strategy"]  # a plain transformers model: its generate is the AR loop
         if do_sample:
             self.kwargs.update(temperature=1.0, top_k=0, top_p=1.0)
         self.speeds: list[float] = []
@@ -553,7 +585,7 @@ class MethodRun:
         device, eos = self.model.device, _eos_ids(self.model)
         torch.manual_seed(self.config.seed + repeat)
         seconds, tokens, requests = 0.0, 0, 0
-        counter = ForwardCounter(self.model.model)
+        counter = ForwardCounter(_backbone(self.model))
         try:
             with PeakMemory(device) if repeat == 0 else contextlib.nullcontext() as memory:
                 for indices, rows in batches(self.encoded, self.batch_size):
@@ -588,7 +620,7 @@ class MethodRun:
             tokens_per_forward=first["tokens"] / max(first["rows"], 1), row_forwards=first["rows"],
             model_calls=first["calls"], latency_s=statistics.median(self.latencies), peak_memory_mb=first["peak"],
             memory_method=first["memory_method"], identical_rate=_identical_rate(self.outputs, reference),
-            perplexity=perplexity(self.models.main, self.encoded, self.outputs),
+            perplexity=perplexity(self.models.baseline, self.encoded, self.outputs),
             accuracy=_accuracy(self.models.tokenizer, self.outputs, prompts),
             accepted_length_histogram=self.histogram or None, outputs=self.outputs,
         )

@@ -45,6 +45,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--assistant", default=None, help="AR draft model folder for HF assisted decoding")
     parser.add_argument("--dlm-teacher", default=None, help="diffusion teacher folder (vanilla + threshold rows)")
     parser.add_argument("--cdlm-student", default=None, help="CDLM student folder (strategy='cdlm' row)")
+    parser.add_argument("--adapter", default=None,
+                        help="with smollm2: a gated TiDAR adapter folder, or 'shipped' for the packaged one; "
+                             "the AR rows then run the untouched checkpoint")
     parser.add_argument("--threshold", type=float, default=0.9, help="confidence threshold of the diffusion rows")
     parser.add_argument("--methods", nargs="+", default=None,
                         help="only methods whose name starts with one of these (ar always runs)")
@@ -99,6 +102,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         assistant=args.assistant,
         dlm_teacher=args.dlm_teacher,
         cdlm_student=args.cdlm_student,
+        adapter=args.adapter,
         threshold=args.threshold,
         methods=args.methods,
         batch_sizes=_pick(args.batch_size, QUICK["batch_size"], [1], quick),

@@ -183,3 +183,10 @@ def test_printed_command_reproduces_the_configuration():
     line = command_line("bench", args, bench)
     again = parser.parse_args(shlex.split(line)[1:])
     assert bench_config(again) == bench_config(args) and again.output == args.output
+
+
+def test_adapter_only_with_smollm2():
+    from hf_tidar.bench import BenchConfig
+
+    with pytest.raises(ValueError, match="--adapter applies to the smollm2 model"):
+        BenchConfig(model="tiny", adapter="shipped").validate()
