@@ -19,6 +19,16 @@ def check_backbone_type(model_type: str | None) -> None:
         )
 
 
+def check_full_attention(text_config: PreTrainedConfig) -> None:
+    """Reject sliding-window layers: the structured masks have no window and their cache can't roll back."""
+    layer_types = getattr(text_config, "layer_types", None) or []
+    if getattr(text_config, "use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+        raise ValueError(
+            "This backbone uses sliding-window attention, which hf_tidar does not support (its masks would be "
+            "inexact and its KV cache cannot be rolled back). Use a full-attention config (use_sliding_window=False)."
+        )
+
+
 @strict
 class TidarConfig(PreTrainedConfig):
     """Configuration of a TiDAR model: an unchanged AR backbone plus the drafting fields.
@@ -45,6 +55,7 @@ class TidarConfig(PreTrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         check_backbone_type(self.text_config.model_type)
+        check_full_attention(self.text_config)
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}.")
         if self.ar_loss_weight < 0:

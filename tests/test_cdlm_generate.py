@@ -248,3 +248,9 @@ def test_sampling_is_refused_rather_than_silently_ignored():
     student = peaky_student()
     with pytest.raises(ValueError, match="strategy='cdlm' cannot run generation mode 'sample'"):
         student.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=4, do_sample=True)
+
+
+def test_stop_strings_are_refused_rather_than_missed_inside_blocks():
+    student = peaky_student()
+    with pytest.raises(ValueError, match="stop string inside a block"):
+        student.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=4, stop_strings=["x"], tokenizer=object())

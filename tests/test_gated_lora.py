@@ -110,3 +110,18 @@ def test_peft_alora_does_not_gate_tidar_layouts():
     assert offsets == [1]  # aLoRA would adapt 1 of the 4 mask tokens
     with pytest.raises(ValueError, match="alora_invocation_tokens"):
         get_gated_lora_model(tidar_base_for_adapter(tiny_ar_model("llama"), block_size=BLOCK), config)
+
+
+def test_lora_configs_that_would_break_the_gate_are_refused():
+    from peft import LoraConfig
+
+    from hf_tidar import TidarForCausalLM
+    from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model
+
+    with pytest.raises(ValueError, match="must be a list of module names"):
+        gated_lora_config(target_modules="all-linear")
+    tidar = TidarForCausalLM.from_ar(tiny_ar_model("llama"), block_size=4)
+    for config in (LoraConfig(target_modules=["q_proj", "lm_head"]),
+                   LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"])):
+        with pytest.raises(ValueError, match="gated LoRA"):
+            get_gated_lora_model(tidar, config)

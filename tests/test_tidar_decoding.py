@@ -55,13 +55,15 @@ def _chi_square_p_value(counts_a: torch.Tensor, counts_b: torch.Tensor) -> float
     return float(torch.special.gammaincc(dof / 2, statistic / 2))
 
 
-def _first_tokens_histogram(model, prompt, samples, strategy, vocab, steps=2, **kwargs):
+def _first_tokens_histogram(model, prompt, samples, strategy, vocab, steps=2, positions=None, **kwargs):
+    """Histogram of the joint value of the generated tokens at ``positions`` (default: the first ``steps``)."""
+    positions = list(range(steps)) if positions is None else positions
     torch.manual_seed(1234)
-    out = model.generate(prompt, do_sample=True, max_new_tokens=steps, num_return_sequences=samples,
+    out = model.generate(prompt, do_sample=True, max_new_tokens=max(positions) + 1, num_return_sequences=samples,
                          strategy=strategy, eos_token_id=None, **kwargs)
     new = out[:, prompt.shape[1] :]
-    codes = sum(new[:, i] * vocab**i for i in range(steps))
-    return torch.bincount(codes, minlength=vocab**steps)
+    codes = sum(new[:, p] * vocab**i for i, p in enumerate(positions))
+    return torch.bincount(codes, minlength=vocab ** len(positions))
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +84,16 @@ def test_sampling_has_the_ar_distribution(tiny_vocab_model, warpers):
     prompt = torch.tensor([[1, 2, 3, 0, 2]])
     ar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "ar", vocab=4, **warpers)
     tidar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "tidar", vocab=4, **warpers)
+    assert _chi_square_p_value(ar, tidar) > 1e-3, (ar, tidar)
+
+
+@pytest.mark.parametrize("groups", [None, [1]])
+def test_later_tokens_drafted_by_groups_have_the_ar_distribution(tiny_vocab_model, groups):
+    """Tokens 4 and 5 are mostly verified against drafts that a decode step's groups proposed (not the prefill's)."""
+    prompt = torch.tensor([[1, 2, 3, 0, 2]])
+    ar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "ar", vocab=4, positions=[3, 4])
+    tidar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "tidar", vocab=4, positions=[3, 4],
+                                    draft_groups=groups)
     assert _chi_square_p_value(ar, tidar) > 1e-3, (ar, tidar)
 
 
@@ -305,3 +317,23 @@ def test_bad_layout_and_streamer_input_gets_clear_errors(counting_model):
         counting_model.generate(torch.ones(2, 3, dtype=torch.long), max_new_tokens=3, strategy="tidar",
                                 streamer=TextStreamer(byte_level_tokenizer()))
     assert acceptance.Scorer  # the module under test is importable on its own
+
+
+def test_more_bad_input_gets_clear_errors(counting_model):
+    prompt = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="draft_length must be an integer in 1..4"):
+        counting_model.generate(prompt, max_new_tokens=3, strategy="tidar", draft_length=0)
+    with pytest.raises(ValueError, match=r"verifier_weight must be in \[0, 1\]"):
+        counting_model.generate(prompt, max_new_tokens=3, strategy="tidar", verifier_weight=2.0)
+    with pytest.raises(ValueError, match="needs input_ids"):
+        embeds = counting_model.get_input_embeddings()(prompt)
+        counting_model.generate(inputs_embeds=embeds, max_new_tokens=3, strategy="tidar")
+    with pytest.raises(ValueError, match="reserves for its draft slots"):
+        counting_model.generate(torch.tensor([[1, counting_model.config.mask_token_id, 3]]), max_new_tokens=3,
+                                strategy="tidar")
+
+
+def test_sliding_window_backbones_are_refused():
+    with pytest.raises(ValueError, match="sliding-window"):
+        TidarForCausalLM.from_ar(tiny_ar_model("qwen2", use_sliding_window=True, sliding_window=8,
+                                               max_window_layers=0))

@@ -189,6 +189,12 @@ class CdlmForCausalLM(TidarForCausalLM):
 
     def _check_strategy_options(self, strategy: str, generation_config, input_ids, kwargs: dict) -> None:
         super()._check_strategy_options(strategy, generation_config, input_ids, kwargs)
+        config = generation_config if generation_config is not None else self.generation_config
+        if kwargs.get("stop_strings") or getattr(config, "stop_strings", None):
+            raise ValueError(
+                f"strategy={strategy!r} finalises whole blocks and checks stopping rules at block ends, so a stop "
+                "string inside a block would be missed; use eos_token_id, or cut the text after generation."
+            )
         if strategy == "cdlm" and self.config.attention_mode != "block_causal":
             raise ValueError(
                 "strategy='cdlm' needs a block-causal model: a bidirectional model's finished blocks still "

@@ -63,7 +63,8 @@ class Scorer:
         Position ``i`` sees ``prefix`` plus the tokens chosen before it — which the caller does not know
         yet — so this is only valid when ``position_free``.
         """
-        assert self.position_free
+        if not self.position_free:
+            raise RuntimeError("Scorer.many needs position-free processors; use Scorer.one per position.")
         return self.processors(prefix.expand(logits.shape[0], -1), logits.float())
 
 
@@ -98,7 +99,7 @@ def accept_draft(
         return bool(best == draft), best
     p = torch.softmax(target, dim=-1)
     q = torch.softmax(draft_scores, dim=-1)
-    if torch.rand((), device=p.device) * q[draft] <= p[draft]:  # accept with probability min(1, p/q)
+    if torch.rand((), device=p.device) * q[draft] < p[draft]:  # accept with probability min(1, p/q)
         return True, None
     residual = (p - q).clamp_min(0)
     total = residual.sum()

@@ -81,7 +81,9 @@ def _sync(device: torch.device) -> None:
 def _profile_key(model) -> str:
     config = model.config.get_text_config().to_json_string(use_diff=False)
     digest = hashlib.sha256(config.encode()).hexdigest()[:16]
-    return f"{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-t{torch.get_num_threads()}"
+    attn = model.config.get_text_config()._attn_implementation
+    return (f"{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
+            f"-t{torch.get_num_threads()}")
 
 
 def load_or_measure_costs(model, max_query: int) -> dict[int, float]:
@@ -160,20 +162,30 @@ class AutoLayout:
         ]
         self._current: DraftLayout | None = None
         self._since_choice = 0
+        self.key: tuple | None = None
 
     @classmethod
-    def for_model(cls, model, batch_size: int = 1) -> AutoLayout:
-        """The model's chooser (statistics persist across ``generate`` calls), profiling on first use."""
+    def for_model(cls, model) -> AutoLayout:
+        """The model's chooser (statistics persist across ``generate`` calls), profiling on first use.
+
+        A new chooser (and profile) is made when the block size, device, dtype, attention implementation
+        or thread count changed since.
+        """
+        key = (model.config.block_size, _profile_key(model))
         chooser = getattr(model, "_tidar_auto_layout", None)
-        if chooser is None or chooser.block_size != model.config.block_size:
+        if chooser is None or chooser.key != key:
             block = model.config.block_size
             chooser = cls(load_or_measure_costs(model, block * (block + 1)), block)
+            chooser.key = key
             model._tidar_auto_layout = chooser
         return chooser
 
     def observe(self, drafts: int, emitted: int) -> None:
-        """Record one row's pass."""
+        """Record one row's pass (``drafts`` drafts, ``emitted`` tokens)."""
         self.stats.observe(drafts, emitted)
+
+    def count_pass(self) -> None:
+        """One forward pass happened (whatever the batch size): the layout is re-chosen every few."""
         self._since_choice += 1
 
     def tokens_per_second(self, layout: DraftLayout) -> float:

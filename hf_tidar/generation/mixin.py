@@ -68,8 +68,7 @@ class StrategyGenerationMixin:
         strategy = self._resolve_strategy(strategy, generation_config)
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         self._check_prompt_fits(input_ids)
-        mask_id = self.require_mask_token_id()
-        logits_processor = LogitsProcessorList([*(logits_processor or []), MaskTokenSuppressor(mask_id)])
+        self.require_mask_token_id()
 
         if input_ids is not None and input_ids.shape[0] == 1 and kwargs.get("attention_mask") is None:
             # One row has no padding. Without this, transformers would infer padding wherever the
@@ -116,6 +115,15 @@ class StrategyGenerationMixin:
             criteria.append(StopStringCriteria(tokenizer, stop_strings))
         return generation_config, criteria
 
+    def _get_logits_processor(self, *args, **kwargs) -> LogitsProcessorList:
+        """transformers' processors with ``[MASK]`` suppression first, before any warper.
+
+        Suppressing it after top-k / top-p would let the ``[MASK]`` logit take a place in the nucleus, and
+        sampling would then differ from the original checkpoint's even though ``[MASK]`` is never drawn.
+        """
+        processors = super()._get_logits_processor(*args, **kwargs)
+        return LogitsProcessorList([MaskTokenSuppressor(self.require_mask_token_id()), *processors])
+
     # -- checks -----------------------------------------------------------------------------------
 
     def _resolve_strategy(self, strategy: str | None, generation_config) -> str:
@@ -149,6 +157,14 @@ class StrategyGenerationMixin:
                 f"strategy={strategy!r} cannot run generation mode {mode.value!r} "
                 f"(num_beams={config.num_beams}, do_sample={config.do_sample}, assistant/prompt lookup, ...). "
                 f"It supports: {allowed}. Use strategy='ar' for other modes."
+            )
+        if kwargs.get("inputs_embeds") is not None:
+            raise ValueError(f"strategy={strategy!r} needs input_ids (it appends [MASK] tokens); got inputs_embeds.")
+        mask_id = self.config.mask_token_id
+        if strategy == "tidar" and input_ids is not None and bool((input_ids == mask_id).any()):
+            raise ValueError(
+                f"The prompt contains the [MASK] token (id {mask_id}), which TiDAR reserves for its draft slots. "
+                "Remove it from the prompt (or convert the model with a mask_token_id that text never uses)."
             )
         if config.output_attentions or config.output_hidden_states:
             raise ValueError(

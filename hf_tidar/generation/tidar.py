@@ -190,7 +190,9 @@ class TidarDecoder:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
         layout = self.layout
         k = layout.draft_len
-        masks = self.step_masks.setdefault(layout, DecodeStepMasks(k, layout.groups, self.device))
+        if layout not in self.step_masks:  # rendered once per layout
+            self.step_masks[layout] = DecodeStepMasks(k, layout.groups, self.device)
+        masks = self.step_masks[layout]
         draft_tokens = torch.tensor(
             [d.tokens + [d.tokens[-1]] * (k - len(d.tokens)) for d in drafts], device=self.device
         )  # a row with fewer than k drafts pads with filler: its extra slots are never accepted
@@ -206,8 +208,10 @@ class TidarDecoder:
             count = self.verify(row, drafts[index], ar_logits[index])
             row.accepted.append(count)
             emitted.append(count)
-            if self.auto:
+            if self.auto and not row.finished:  # a stop cuts a pass short: not a rejection
                 self.auto.observe(len(drafts[index].tokens), count)
+        if self.auto:
+            self.auto.count_pass()
         most = max(emitted)
         self.cache.keep_first(state.length + most)
         state.commit(torch.tensor(emitted, device=self.device), most)
@@ -325,7 +329,6 @@ def tidar_decode(
     draft_groups: list[int] | None = None,
     draft_layout: str | None = None,
     verifier_weight: float = 1.0,
-    tokenizer=None,
     **model_kwargs,
 ):
     """The ``generate(strategy="tidar")`` loop (transformers calls it through ``custom_generate``).
@@ -335,10 +338,11 @@ def tidar_decode(
         draft_groups: which pre-draft groups to compute (default: all ``1..k``; must contain 1).
         draft_layout: ``"auto"`` picks ``(k, groups)`` from this hardware's measured forward cost and the
             running acceptance statistics (see :mod:`.auto_layout`).
-        verifier_weight: ``beta`` of the mixed verifier; 1 (default) is exact AR verification.
-        tokenizer: as in ``generate`` (``stop_strings`` needs it); named here so transformers hands it on.
+        verifier_weight: ``beta`` of the mixed verifier in ``[0, 1]``; 1 (default) is exact AR verification.
     """
-    layout = resolve_layout(model, draft_length, draft_groups, draft_layout, input_ids.shape[0])
+    layout = resolve_layout(model, draft_length, draft_groups, draft_layout)
+    if not 0.0 <= verifier_weight <= 1.0:
+        raise ValueError(f"verifier_weight must be in [0, 1] (1 = exact AR verification), got {verifier_weight}.")
     if verifier_weight != 1.0:
         warnings.warn(
             f"verifier_weight={verifier_weight} mixes the diffusion drafts into verification: the output is no "
@@ -354,13 +358,13 @@ def tidar_decode(
     return decoder.result(input_ids.shape[1])
 
 
-def resolve_layout(model, draft_length, draft_groups, draft_layout, batch_size: int) -> DraftLayout | AutoLayout:
+def resolve_layout(model, draft_length, draft_groups, draft_layout) -> DraftLayout | AutoLayout:
     """The layout for this call: a fixed :class:`DraftLayout`, or the model's :class:`AutoLayout`."""
     block_size = model.config.block_size
     if draft_layout is None:
-        return DraftLayout.build(draft_length or block_size, draft_groups, block_size)
+        return DraftLayout.build(block_size if draft_length is None else draft_length, draft_groups, block_size)
     if draft_layout != "auto":
         raise ValueError(f"draft_layout must be None or 'auto', got {draft_layout!r}.")
     if draft_length is not None or draft_groups is not None:
         raise ValueError("draft_layout='auto' chooses draft_length and draft_groups itself; pass neither.")
-    return AutoLayout.for_model(model, batch_size)
+    return AutoLayout.for_model(model)

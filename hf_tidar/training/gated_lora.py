@@ -146,9 +146,12 @@ def gated_lora_config(rank: int = 16, alpha: int | None = None, dropout: float =
     """
     from peft import LoraConfig
 
+    if isinstance(target_modules, str):
+        raise ValueError(
+            f"target_modules must be a list of module names (e.g. {list(DEFAULT_TARGETS)}), got the string "
+            f"{target_modules!r}; PEFT's 'all-linear' would also adapt lm_head, which must stay the base model's."
+        )
     targets = list(target_modules or DEFAULT_TARGETS)
-    if "lm_head" in targets:
-        raise ValueError("lm_head can't be a gated-LoRA target: it must stay the base model's for the AR path.")
     if EMBEDDING_TARGET not in targets:
         targets.append(EMBEDDING_TARGET)
     return LoraConfig(
@@ -173,6 +176,13 @@ def get_gated_lora_model(tidar_model: nn.Module, lora_config=None, adapter_name:
     from peft import get_peft_model
 
     config = lora_config if lora_config is not None else gated_lora_config()
+    targets = config.target_modules
+    if isinstance(targets, str) or "lm_head" in (targets or ()):
+        raise ValueError("gated LoRA targets must be a list without lm_head: lm_head reads clean hidden states "
+                         "and must stay the base model's for the AR path to stay exact.")
+    if getattr(config, "modules_to_save", None) or getattr(config, "trainable_token_indices", None):
+        raise ValueError("gated LoRA can't train modules_to_save or trainable_token_indices: those weights would act "
+                         "on clean tokens too. The [MASK] embedding is trained by the gated embedding LoRA.")
     for name in ("use_dora", "lora_bias"):
         if getattr(config, name, False):
             raise ValueError(f"gated LoRA supports plain LoRA only; set {name}=False.")
