@@ -111,9 +111,11 @@ def to_bool_mask(layout: TidarLayout) -> torch.Tensor:
 
 def to_additive_mask(layout: TidarLayout, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Additive float mask (0 = attend, dtype minimum = blocked), for eager attention."""
-    allowed = to_bool_mask(layout)
-    blocked = torch.finfo(dtype).min
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, blocked)
+    return _additive(to_bool_mask(layout), dtype)
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
 def to_block_mask(layout: TidarLayout, block_size: int = 128):
@@ -241,9 +243,8 @@ class DecodeStepMasks:
 
     Every query of a decode step sees every real cached token (all horizons are at least ``p``), so a
     step's mask is ``[prefix_valid | fixed query-query block]``. The block and the query position
-    offsets come from :func:`tidar_decode_layout` (so from the one predicate) once per layout; a step
-    only broadcasts the cache's validity row. Backends that want the whole layout (flex attention,
-    the Triton kernel) get it built per step instead.
+    offsets come from :func:`tidar_decode_layout` (so from the one predicate) once per layout;
+    :class:`DecodeMaskState` completes them per step.
     """
 
     def __init__(self, draft_len: int, groups: Sequence[int], device: torch.device | str = "cpu"):
@@ -256,29 +257,6 @@ class DecodeStepMasks:
         self.block = allowed[:, 1:]  # [query, query]
         self.offsets = one_token.query_position_ids[0] - 1  # query positions relative to p
         self.query_len = self.block.shape[0]
-
-    def position_ids(self, prefix_valid: torch.Tensor) -> torch.Tensor:
-        """``[batch, query_len]`` position ids: ``p_row + offset`` with ``p_row`` real cached tokens."""
-        return prefix_valid.sum(-1, keepdim=True) + self.offsets
-
-    def render(self, prefix_valid: torch.Tensor, attn_implementation: str | None, dtype: torch.dtype) -> object:
-        """The step's attention mask in the backend's format, for a cache with validity ``prefix_valid``."""
-        impl = attn_implementation or "sdpa"
-        if impl not in ("sdpa", "eager"):
-            return render_mask(tidar_decode_layout(prefix_valid, self.draft_len, self.groups), impl, dtype)
-        batch, prefix = prefix_valid.shape
-        allowed = torch.cat(
-            [
-                prefix_valid[:, None, None, :].expand(batch, 1, self.query_len, prefix),
-                self.block.expand(batch, 1, self.query_len, self.query_len),
-            ],
-            dim=-1,
-        )
-        if impl == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )
 
 
 class DecodeMaskState:
@@ -320,11 +298,7 @@ class DecodeMaskState:
             self._mask = self.valid[:, None, None, :].expand(batch, 1, q, capacity).clone()
         self._mask[..., self.length : end] = step.block
         allowed = self._mask[..., :end]
-        if impl == "sdpa":
-            return allowed
-        return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
-            ~allowed, torch.finfo(dtype).min
-        )
+        return allowed if impl == "sdpa" else _additive(allowed, dtype)
 
     def position_ids(self, step: DecodeStepMasks) -> torch.Tensor:
         """``[batch, q]`` position ids of the next step's queries."""

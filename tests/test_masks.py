@@ -145,14 +145,14 @@ def test_flash_attention_is_refused_with_a_clear_error():
 
 @pytest.mark.parametrize("k,groups", [(1, [1]), (3, [1, 2, 3]), (4, [1, 3]), (5, [1])])
 def test_decode_step_masks_equal_the_full_layout_rendering(k, groups):
-    from hf_tidar.masks import DecodeStepMasks
+    from hf_tidar.masks import DecodeMaskState, DecodeStepMasks
 
     prefix_valid = torch.rand(3, 11, generator=torch.Generator().manual_seed(k)) > 0.3  # holes and padding
     step = DecodeStepMasks(k, groups)
     layout = tidar_decode_layout(prefix_valid, k, groups)
-    assert torch.equal(step.render(prefix_valid, "sdpa", torch.float32), to_bool_mask(layout))
-    assert torch.equal(step.render(prefix_valid, "eager", torch.float32), to_additive_mask(layout))
-    assert torch.equal(step.position_ids(prefix_valid), layout.query_position_ids)
+    assert torch.equal(DecodeMaskState(prefix_valid).step_mask(step, "sdpa", torch.float32), to_bool_mask(layout))
+    assert torch.equal(DecodeMaskState(prefix_valid).step_mask(step, "eager", torch.float32), to_additive_mask(layout))
+    assert torch.equal(DecodeMaskState(prefix_valid).position_ids(step), layout.query_position_ids)
 
 
 def test_incremental_decode_mask_state_equals_fresh_renderings():
