@@ -188,6 +188,15 @@ class TidarDecoder:
 
     def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskState) -> list[Drafts | None]:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
+        hidden = self._forward(drafts, state)
+        emitted = self._verify_rows(active, drafts, hidden)
+        most = max(emitted)
+        self.cache.keep_first(state.length + most)  # the accepted drafts' KV; the rest of the pass goes
+        state.commit(torch.tensor(emitted, device=self.device), most)
+        return self._next_drafts(active, emitted, hidden)
+
+    def _forward(self, drafts: list[Drafts], state: DecodeMaskState) -> torch.Tensor:
+        """The pass itself: drafts then the layout's mask groups, over the cache. Returns hidden states."""
         layout = self.layout
         k = layout.draft_len
         if layout not in self.step_masks:  # rendered once per layout
@@ -196,12 +205,15 @@ class TidarDecoder:
         draft_tokens = torch.tensor(
             [d.tokens + [d.tokens[-1]] * (k - len(d.tokens)) for d in drafts], device=self.device
         )  # a row with fewer than k drafts pads with filler: its extra slots are never accepted
-        query = torch.cat([draft_tokens, draft_tokens.new_full((len(active), k * len(layout.groups)), self.mask_id)], 1)
-        hidden = self.model.structured_hidden_states(
-            query, None, self.cache, mask=state.step_mask(masks, self.attn_impl, self.dtype),
-            position_ids=state.position_ids(masks),
+        groups = draft_tokens.new_full((len(drafts), k * len(layout.groups)), self.mask_id)
+        return self.model.structured_hidden_states(
+            torch.cat([draft_tokens, groups], dim=1), None, self.cache,
+            mask=state.step_mask(masks, self.attn_impl, self.dtype), position_ids=state.position_ids(masks),
         )
-        ar_logits = self.model.lm_head(hidden[:, :k]).float()
+
+    def _verify_rows(self, active: list[int], drafts: list[Drafts], hidden: torch.Tensor) -> list[int]:
+        """Verify each active row's drafts; returns the tokens each row emitted."""
+        ar_logits = self.model.lm_head(hidden[:, : self.layout.draft_len]).float()
         emitted = []
         for index, row_id in enumerate(active):
             row = self.rows[row_id]
@@ -212,10 +224,11 @@ class TidarDecoder:
                 self.auto.observe(len(drafts[index].tokens), count)
         if self.auto:
             self.auto.count_pass()
-        most = max(emitted)
-        self.cache.keep_first(state.length + most)
-        state.commit(torch.tensor(emitted, device=self.device), most)
+        return emitted
 
+    def _next_drafts(self, active: list[int], emitted: list[int], hidden: torch.Tensor) -> list[Drafts | None]:
+        """Each unfinished row's next block: its source group's slots after the verifier's own token."""
+        layout = self.layout
         next_drafts = []
         for index, row_id in enumerate(active):
             row = self.rows[row_id]
@@ -225,7 +238,7 @@ class TidarDecoder:
             accepted = emitted[index]
             group = layout.source_group(accepted)
             first_slot = layout.group_start(group) + (accepted - group)  # the verifier's position
-            slots = self.slot_logits(hidden[index, first_slot + 1 : layout.group_start(group) + k])
+            slots = self.slot_logits(hidden[index, first_slot + 1 : layout.group_start(group) + layout.draft_len])
             next_drafts.append(self.draft(row, int(row.ids[0, row.length - 1]), slots))
         return next_drafts
 
