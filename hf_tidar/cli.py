@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="train a TiDAR model: full continual pretraining or lossless gated LoRA")
     add_train_arguments(train).set_defaults(func=cmd_train)
+
+    from .training.distill import add_distill_arguments, run_distill
+
+    distill = sub.add_parser("distill", help="self-distillation data: the base model's own greedy continuations")
+    add_distill_arguments(distill).set_defaults(func=run_distill)
     _add_hub_commands(sub)
     _add_bench_commands(sub)
     return parser

@@ -180,24 +180,27 @@ def load_distilled(path: str | Path) -> Dataset:
 # -- command line ---------------------------------------------------------------------------------
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m hf_tidar.training.distill``: self-distil SmolLM2 (or --model) on code + chat prompts."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .corpus import load_corpus
-
-    parser = argparse.ArgumentParser(description="Greedy self-distillation data for TiDAR drafts.")
+def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The self-distillation options (shared by ``hf-tidar distill`` and ``python -m hf_tidar.training.distill``)."""
     parser.add_argument("--model", default="smollm2", help="AR checkpoint folder, or 'smollm2' (default)")
     parser.add_argument("--output", required=True, help="folder for the dataset (resumes if it exists)")
     parser.add_argument("--data", nargs="+", default=["stdlib"], help="sources to cut prompts from (default: stdlib)")
     parser.add_argument("--code-prompts", type=int, default=3000)
-    parser.add_argument("--chat-prompts", type=int, default=3000)
+    parser.add_argument("--chat-prompts", type=int, default=3000, help="needs a tokenizer with a chat template")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--held-out-fraction", type=float, default=0.05, help="documents never used for prompts")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
+    parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    return parser
+
+
+def run_distill(args: argparse.Namespace) -> int:
+    """Self-distil ``args.model`` on code + chat prompts cut from the train documents; returns an exit code."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .corpus import load_corpus
 
     if args.model == "smollm2":
         from ..checkpoints import load_smollm2
@@ -214,8 +217,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
     )
     dataset = distill(model.eval(), tokenizer, prompts, args.output, args.max_new_tokens, args.batch_size)
-    print(f"distill: {len(dataset)} rows in {Path(args.output) / 'dataset'}")
+    folder = Path(args.output) / "dataset"
+    if getattr(args, "json", False):
+        print(json.dumps({"rows": len(dataset), "dataset": str(folder), "skipped_files": corpus.skipped}))
+    else:
+        print(f"distill: {len(dataset)} rows in {folder}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m hf_tidar.training.distill``: self-distil SmolLM2 (or --model) on code + chat prompts."""
+    parser = argparse.ArgumentParser(description="Greedy self-distillation data for TiDAR drafts.")
+    return run_distill(add_distill_arguments(parser).parse_args(argv))
 
 
 if __name__ == "__main__":
