@@ -82,3 +82,15 @@ def test_stock_trainer_trains_on_stdlib_source(tmp_path):
     assert torch.isfinite(torch.tensor(result.training_loss))
     logged = [entry for entry in trainer.state.log_history if "ar_loss" in entry]
     assert len(logged) == 2 and all(entry["diffusion_loss"] > 0 for entry in logged)
+
+
+def test_training_loss_through_flex_attention_block_masks_matches_sdpa():
+    """On GPUs the training path renders a BlockMask (no dense mask); on a CPU flex attention runs forward only."""
+    model = TidarForCausalLM.from_ar(tiny_ar_model("llama").float(), block_size=4)
+    ids = torch.randint(1, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids)
+        model.set_attn_implementation("flex_attention")
+        got = model(input_ids=ids, labels=ids)
+    torch.testing.assert_close(got.ar_loss, expected.ar_loss)
+    torch.testing.assert_close(got.diffusion_loss, expected.diffusion_loss)
