@@ -125,3 +125,28 @@ def test_lora_configs_that_would_break_the_gate_are_refused():
                    LoraConfig(target_modules=["q_proj"], modules_to_save=["lm_head"])):
         with pytest.raises(ValueError, match="gated LoRA"):
             get_gated_lora_model(tidar, config)
+
+
+def test_export_from_a_trainer_checkpoint_keeps_only_the_adapter(tmp_path):
+    from hf_tidar.training.gated_lora import export_gated_adapter
+
+    model, ar = _trained_gated_model()
+    model.save_pretrained(tmp_path / "checkpoint-8", save_embedding_layers=True)  # what Trainer checkpoints hold
+    out = export_gated_adapter(tmp_path / "checkpoint-8", tidar_base_for_adapter(ar, block_size=BLOCK),
+                               tmp_path / "adapter")
+    assert (out / GATE_FILE).exists()
+    from safetensors.torch import load_file
+
+    tensors = load_file(out / "adapter_model.safetensors")
+    assert all(t.dtype == torch.float16 for t in tensors.values())
+    assert not any("base_layer" in name for name in tensors)  # the base embedding stays out
+    loaded = load_tidar_adapter(ar, out)
+    prompt = counting_batch(1, 5, VOCAB, torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=12, eos_token_id=None, attention_mask=torch.ones_like(prompt))
+    ids = dict(input_ids=prompt)
+    assert torch.equal(loaded.generate(**ids, strategy="tidar", **kwargs), ar.generate(**ids, do_sample=False, **kwargs))
+    with torch.no_grad():
+        masks = torch.full_like(prompt, loaded.config.mask_token_id)
+        torch.testing.assert_close(loaded(input_ids=torch.cat([prompt, masks], 1)).logits,
+                                   model(input_ids=torch.cat([prompt, masks], 1)).logits.to(torch.float64),
+                                   atol=1e-2, rtol=1e-2)  # fp16-stored adapter: close to the trained one

@@ -309,3 +309,28 @@ def load_tidar_adapter(ar_model, adapter_folder: str | os.PathLike, tokenizer=No
     info = read_gate_info(adapter_folder)
     base = tidar_base_for_adapter(ar_model, tokenizer=tokenizer, block_size=int(info["block_size"]))
     return load_gated_lora(base, adapter_folder).eval()
+
+
+def export_gated_adapter(checkpoint: str | os.PathLike, base_tidar: nn.Module, output: str | os.PathLike,
+                         dtype: torch.dtype = torch.float16) -> Path:
+    """Turn a Trainer checkpoint of a gated adapter into a shippable adapter folder.
+
+    Trainer checkpoints hold the whole embedding (PEFT saves embedding layers that are LoRA targets)
+    and no gate file; the export keeps only the adapter weights, stored as ``dtype`` (fp16 halves the
+    size; they are cast back to the model's dtype on load), plus ``tidar_gate.json``.
+
+    Args:
+        checkpoint: a ``checkpoint-N`` folder of ``hf-tidar train --method lora``.
+        base_tidar: the base ``TidarForCausalLM`` it was trained on (``tidar_base_for_adapter``).
+        output: the adapter folder to write.
+    """
+    from peft import PeftModel
+    from safetensors.torch import load_file, save_file
+
+    peft_model = PeftModel.from_pretrained(base_tidar, str(checkpoint))
+    install_mask_gate(peft_model)
+    save_gated_lora(peft_model, output)
+    weights = Path(output) / "adapter_model.safetensors"
+    tensors = {name: tensor.to(dtype) for name, tensor in load_file(weights).items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    return Path(output)
