@@ -63,9 +63,15 @@ def measure_forward_cost(
             model.model(input_ids=prompt, cache=cache, use_cache=True)
             new = torch.randint(0, vocab, (1, q), device=device)
             positions = torch.arange(cache_len, cache_len + q, device=device)[None]
+            # A real step passes a rendered 4D mask, which takes a different (slower) attention path than
+            # plain causal attention: time it with one.
+            mask = torch.ones(1, 1, q, cache_len + q, dtype=torch.bool, device=device)
+            if model.config.get_text_config()._attn_implementation == "eager":
+                mask = torch.zeros(mask.shape, dtype=model.dtype, device=device)
             _sync(device)
             start = time.perf_counter()
-            hidden = model.model(input_ids=new, cache=cache, use_cache=True, position_ids=positions)
+            hidden = model.model(input_ids=new, cache=cache, use_cache=True, position_ids=positions,
+                                 attention_mask=mask)
             model.lm_head(hidden.last_hidden_state[:, : min(q, 4)])  # logits only where used
             _sync(device)
             times.append(time.perf_counter() - start)
