@@ -227,6 +227,18 @@ def test_auto_layout_prefers_long_drafts_only_when_they_are_accepted():
     assert good.choose().draft_len == 8 and bad.choose().draft_len == 1
 
 
+def test_auto_layout_charges_the_lm_head_for_every_projected_row():
+    flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}
+    chooser = AutoLayout(flat, 8, lm_head_row_cost=0.5)
+    assert chooser.step_cost(DraftLayout(1, (1,))) == 1.0  # 1 row, already in the profiled forward
+    assert chooser.step_cost(DraftLayout(8, (1,))) == 1.0 + (15 - 4) * 0.5
+    for _ in range(200):
+        chooser.observe(8, 3)  # two drafts accepted, the third rejected
+    free_head = AutoLayout(flat, 8)
+    free_head.stats = chooser.stats
+    assert chooser.choose().draft_len < free_head.choose().draft_len
+
+
 def test_expected_tokens_per_pass_matches_simple_cases():
     always = [1.0] * 9
     assert expected_tokens_per_pass(DraftLayout(4, (1, 2, 3, 4)), always) == pytest.approx(4.0)

@@ -30,7 +30,8 @@ from .layout import DraftLayout
 
 REPLAN_EVERY = 8  # passes between layout choices
 PROFILE_CACHE_LEN = 256  # cached tokens the cost is measured against
-PROFILE_REPEATS = 3
+PROFILE_REPEATS = 5
+LM_HEAD_ROWS = 9  # rows the LM head is timed on, against one row, for its per-row cost
 
 
 def _grid(max_query: int) -> list[int]:
@@ -77,6 +78,39 @@ def measure_forward_cost(
             times.append(time.perf_counter() - start)
         costs[q] = sorted(times[1:])[len(times[1:]) // 2]
     return costs
+
+
+@torch.no_grad()
+def measure_lm_head_cost(model, repeats: int = PROFILE_REPEATS) -> float:
+    """Median seconds the LM head adds per extra row (timed on ``LM_HEAD_ROWS`` rows against one).
+
+    A TiDAR step projects ``k`` draft positions and ``k - 1`` next-draft slots onto the vocabulary; on a
+    small model with a large vocabulary that is a real part of the step's cost.
+    """
+    hidden = torch.randn(1, LM_HEAD_ROWS, model.config.get_text_config().hidden_size, device=model.device,
+                         dtype=model.dtype)
+    deltas = []
+    for _ in range(repeats + 1):
+        timings = []
+        for rows in (1, LM_HEAD_ROWS):
+            _sync(model.device)
+            start = time.perf_counter()
+            model.lm_head(hidden[:, :rows])
+            _sync(model.device)
+            timings.append(time.perf_counter() - start)
+        deltas.append(max(0.0, (timings[1] - timings[0]) / (LM_HEAD_ROWS - 1)))
+    return sorted(deltas[1:])[len(deltas[1:]) // 2]
+
+
+def load_or_measure_lm_head_cost(model) -> float:
+    """:func:`measure_lm_head_cost`, measured once per model/device/dtype/threads and cached on disk."""
+    path = cache_root() / "profiles" / f"{_profile_key(model)}.lm_head.json"
+    if path.exists():
+        return float(json.loads(path.read_text())["seconds_per_row"])
+    cost = measure_lm_head_cost(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"seconds_per_row": cost}))
+    return cost
 
 
 def _sync(device: torch.device) -> None:
@@ -159,9 +193,10 @@ def expected_tokens_per_pass(layout: DraftLayout, alpha: list[float]) -> float:
 class AutoLayout:
     """Chooses ``(k, groups)`` from measured costs and running acceptance; one per model."""
 
-    def __init__(self, costs: dict[int, float], block_size: int):
+    def __init__(self, costs: dict[int, float], block_size: int, lm_head_row_cost: float = 0.0):
         self.costs = costs
         self.block_size = block_size
+        self.lm_head_row_cost = lm_head_row_cost
         self.stats = AcceptanceStats(block_size)
         self.candidates = [
             DraftLayout(k, tuple(range(1, g + 1))) for k in range(1, block_size + 1) for g in range(1, k + 1)
@@ -181,7 +216,7 @@ class AutoLayout:
         chooser = getattr(model, "_tidar_auto_layout", None)
         if chooser is None or chooser.key != key:
             block = model.config.block_size
-            chooser = cls(load_or_measure_costs(model, block * (block + 1)), block)
+            chooser = cls(load_or_measure_costs(model, block * (block + 1)), block, load_or_measure_lm_head_cost(model))
             chooser.key = key
             model._tidar_auto_layout = chooser
         return chooser
@@ -194,10 +229,17 @@ class AutoLayout:
         """One forward pass happened (whatever the batch size): the layout is re-chosen every few."""
         self._since_choice += 1
 
+    def step_cost(self, layout: DraftLayout) -> float:
+        """Seconds of one pass: the profiled forward (which projects ``min(q, 4)`` rows onto the vocabulary)
+        plus the LM head on the rest of the ``2k - 1`` rows a step projects (drafts, next-draft slots)."""
+        q, k = layout.query_len, layout.draft_len
+        extra_rows = max(0, (2 * k - 1) - min(q, 4))
+        return interpolate(self.costs, q) + extra_rows * self.lm_head_row_cost
+
     def tokens_per_second(self, layout: DraftLayout) -> float:
         """Expected tokens per second of ``layout`` under the current statistics."""
         alpha = [1.0] + [self.stats.alpha(d) for d in range(1, self.block_size + 1)]
-        return expected_tokens_per_pass(layout, alpha) / interpolate(self.costs, layout.query_len)
+        return expected_tokens_per_pass(layout, alpha) / self.step_cost(layout)
 
     def choose(self) -> DraftLayout:
         """The best layout now (re-chosen every ``REPLAN_EVERY`` observed passes)."""
