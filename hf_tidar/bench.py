@@ -39,6 +39,8 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from .generation.auto_layout import sync_device
+
 PROMPT_SETS = ("code", "chat", "arithmetic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BUILTIN_MODELS = ("smollm2", "tiny")
@@ -460,11 +462,6 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def batches(encoded: list[list[int]], size: int) -> Iterator[tuple[list[int], list[list[int]]]]:
     """``(prompt indices, prompts)`` in chunks of ``size``."""
     for start in range(0, len(encoded), size):
@@ -589,10 +586,10 @@ class MethodRun:
         try:
             with PeakMemory(device) if repeat == 0 else contextlib.nullcontext() as memory:
                 for indices, rows in batches(self.encoded, self.batch_size):
-                    _sync(device)
+                    sync_device(device)
                     start = time.perf_counter()
                     width, out = self._call(rows)
-                    _sync(device)
+                    sync_device(device)
                     seconds += time.perf_counter() - start
                     new = generated_tokens(out.sequences, width, eos)
                     tokens += sum(len(n) for n in new)

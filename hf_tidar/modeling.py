@@ -132,12 +132,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
 
         The weights are copied; the AR model is left untouched. Its generation config comes along.
         """
-        if isinstance(model_or_path, (str, os.PathLike)):
-            ar_model = AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
-        elif isinstance(model_or_path, PreTrainedModel):
-            ar_model = model_or_path
-        else:
-            raise TypeError(f"from_ar expects a PreTrainedModel or a path, got {type(model_or_path).__name__}.")
+        ar_model = load_causal_lm(model_or_path, **from_pretrained_kwargs)
         check_backbone_type(getattr(ar_model.config, "model_type", None))
 
         config = TidarConfig(
@@ -304,6 +299,15 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
                 "TidarForCausalLM.from_ar(model) (which adds [MASK]) or pass mask_token_id=..."
             )
         return mask_id
+
+
+def load_causal_lm(model_or_path: PreTrainedModel | str | os.PathLike, **from_pretrained_kwargs) -> PreTrainedModel:
+    """A loaded ``PreTrainedModel`` as is, or ``AutoModelForCausalLM.from_pretrained`` of a folder / hub id."""
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
+    if isinstance(model_or_path, PreTrainedModel):
+        return model_or_path
+    raise TypeError(f"Expected a PreTrainedModel or a path, got {type(model_or_path).__name__}.")
 
 
 def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

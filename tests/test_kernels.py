@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from toy import tiny_ar_model  # noqa: E402
+from transformers import AttentionInterface, AutoModelForCausalLM, LlamaConfig  # noqa: E402
 from transformers.masking_utils import AttentionMaskInterface, create_causal_mask  # noqa: E402
 
 import hf_tidar  # noqa: E402
@@ -229,17 +230,7 @@ def test_block_mask_matches_bool_mask_at_block_granularity():
 
 def tiny_tidar(attn_implementation: str) -> hf_tidar.TidarForCausalLM:
     """A random 2-layer GQA Llama (fp32: the kernel's dtypes) converted to TiDAR with block 4."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    ar = LlamaForCausalLM(config).eval()
-    ar.generation_config.pad_token_id = 0
+    ar = tiny_ar_model("llama").float()  # fp32: the kernel's dtypes
     model = hf_tidar.TidarForCausalLM.from_ar(ar, block_size=4).to(DEVICE).eval()
     model.set_attn_implementation(attn_implementation)
     return model

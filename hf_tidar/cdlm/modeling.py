@@ -11,12 +11,12 @@ import copy
 import os
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..configuration import check_backbone_type
 from ..masks import TidarLayout
-from ..modeling import IGNORE_INDEX, TidarCausalLMOutput, TidarForCausalLM, _mean_cross_entropy
+from ..modeling import IGNORE_INDEX, TidarCausalLMOutput, TidarForCausalLM, _mean_cross_entropy, load_causal_lm
 from .configuration import CdlmConfig
 from .masks import dlm_layout
 
@@ -60,7 +60,7 @@ class CdlmForCausalLM(TidarForCausalLM):
         predicts token ``i + 1``, which is what the pretrained head already does. Without
         ``mask_token_id`` a ``[MASK]`` token is added (to ``tokenizer`` too) and the embeddings grow.
         """
-        source = _load(model_or_path, **from_pretrained_kwargs)
+        source = load_causal_lm(model_or_path, **from_pretrained_kwargs)
         fields = dict(attention_mode=attention_mode, block_size=block_size, shift_logits=shift_logits)
         return cls._convert(source, source.config, mask_token_id, tokenizer, fields)
 
@@ -85,7 +85,7 @@ class CdlmForCausalLM(TidarForCausalLM):
 
         The weights are copied unchanged; the source is left untouched.
         """
-        source = _load(model_or_path, **from_pretrained_kwargs)
+        source = load_causal_lm(model_or_path, **from_pretrained_kwargs)
         if isinstance(source.config, CdlmConfig):
             text_config = source.config.text_config
             mask_token_id = source.config.mask_token_id if mask_token_id is None else mask_token_id
@@ -216,12 +216,4 @@ class CdlmForCausalLM(TidarForCausalLM):
                     f"{self.mask_block_size}: its mask defines the blocks. Omit block_size or pass "
                     f"{self.mask_block_size}."
                 )
-
-
-def _load(model_or_path, **from_pretrained_kwargs) -> PreTrainedModel:
-    if isinstance(model_or_path, (str, os.PathLike)):
-        return AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
-    if isinstance(model_or_path, PreTrainedModel):
-        return model_or_path
-    raise TypeError(f"Expected a PreTrainedModel or a path, got {type(model_or_path).__name__}.")
 

@@ -69,12 +69,12 @@ def measure_forward_cost(
             mask = torch.ones(1, 1, q, cache_len + q, dtype=torch.bool, device=device)
             if model.config.get_text_config()._attn_implementation == "eager":
                 mask = torch.zeros(mask.shape, dtype=model.dtype, device=device)
-            _sync(device)
+            sync_device(device)
             start = time.perf_counter()
             hidden = model.model(input_ids=new, cache=cache, use_cache=True, position_ids=positions,
                                  attention_mask=mask)
             model.lm_head(hidden.last_hidden_state[:, : min(q, 4)])  # logits only where used
-            _sync(device)
+            sync_device(device)
             times.append(time.perf_counter() - start)
         costs[q] = sorted(times[1:])[len(times[1:]) // 2]
     return costs
@@ -93,10 +93,10 @@ def measure_lm_head_cost(model, repeats: int = PROFILE_REPEATS) -> float:
     for _ in range(repeats + 1):
         timings = []
         for rows in (1, LM_HEAD_ROWS):
-            _sync(model.device)
+            sync_device(model.device)
             start = time.perf_counter()
             model.lm_head(hidden[:, :rows])
-            _sync(model.device)
+            sync_device(model.device)
             timings.append(time.perf_counter() - start)
         deltas.append(max(0.0, (timings[1] - timings[0]) / (LM_HEAD_ROWS - 1)))
     return sorted(deltas[1:])[len(deltas[1:]) // 2]
@@ -113,7 +113,8 @@ def load_or_measure_lm_head_cost(model) -> float:
     return cost
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for queued GPU work, so that wall-clock timings include it (a no-op on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
