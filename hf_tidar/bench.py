@@ -20,11 +20,15 @@ Metrics per (method, batch size, greedy/sampling):
 * ``identical_rate``: fraction of prompts whose generated tokens equal AR greedy decoding's at batch 1;
 * ``perplexity``: of the generated tokens under the AR model (the main model's causal forward);
   ``accuracy``: the ``#### N`` answer on arithmetic prompts (``None`` when there are none).
+
+``identical_rate``, ``accuracy`` and ``tokens_per_forward`` are computed by the ``evaluate`` modules shipped in
+:mod:`hf_tidar.metrics` (loaded by path, so offline).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -614,7 +618,7 @@ class MethodRun:
             method=method.name, family=method.family, batch_size=self.batch_size, do_sample=self.do_sample,
             draft_length=method.draft_length, layout=method.layout, prompts=len(self.encoded),
             new_tokens=first["tokens"], tokens_per_s=statistics.median(self.speeds), tokens_per_s_repeats=self.speeds,
-            tokens_per_forward=first["tokens"] / max(first["rows"], 1), row_forwards=first["rows"],
+            tokens_per_forward=_tokens_per_forward(first["tokens"], first["rows"]), row_forwards=first["rows"],
             model_calls=first["calls"], latency_s=statistics.median(self.latencies), peak_memory_mb=first["peak"],
             memory_method=first["memory_method"], identical_rate=_identical_rate(self.outputs, reference),
             perplexity=perplexity(self.models.baseline, self.encoded, self.outputs),
@@ -633,18 +637,31 @@ def _add_histogram(histogram: list[int], out) -> list[int]:
     return [(histogram[i] if i < len(histogram) else 0) + (counts[i] if i < len(counts) else 0) for i in range(width)]
 
 
+@functools.cache
+def _metric(name: str):
+    """The ``evaluate`` module ``name`` from :mod:`hf_tidar.metrics`, loaded once per process."""
+    from .metrics import load
+
+    return load(name)
+
+
+def _tokens_per_forward(tokens: int, row_forwards: int) -> float:
+    # A run whose forwards the hook did not see (0) reports tokens / 1, as it always has.
+    return _metric("tokens_per_pass").compute(tokens=[tokens], passes=[max(row_forwards, 1)])["tokens_per_pass"]
+
+
 def _identical_rate(outputs: list[list[int]], reference: list[list[int]]) -> float:
-    return sum(o == r for o, r in zip(outputs, reference, strict=True)) / len(outputs)
+    return _metric("identical_rate").compute(predictions=outputs, references=reference)["identical_rate"]
 
 
 def _accuracy(tokenizer, outputs: list[list[int]], prompts: list[Prompt]) -> float | None:
-    from .cdlm.arithmetic import extract_answer
-
     scored = [(o, p) for o, p in zip(outputs, prompts, strict=True) if p.answer is not None]
     if not scored:
         return None
     # The answer is the first "#### N" the model writes (few-shot prompts stop it from going on forever).
-    return sum(extract_answer(tokenizer.decode(o, skip_special_tokens=True)) == p.answer for o, p in scored) / len(scored)
+    texts = [tokenizer.decode(o, skip_special_tokens=True) for o, _ in scored]
+    result = _metric("answer_accuracy").compute(predictions=texts, references=[p.answer for _, p in scored])
+    return result["answer_accuracy"]
 
 
 # -- the whole benchmark --------------------------------------------------------------------------
