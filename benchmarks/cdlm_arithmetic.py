@@ -6,6 +6,8 @@ with Fast-dLLM's threshold rule, and the CDLM student (threshold rule + exact bl
 Reports answer accuracy, forward passes, tokens per pass and tokens/s (generated tokens up to and
 including EOS, divided by the wall time of ``generate``).
 
+Decoders run interleaved, ``--repeats`` times after a warm-up; tokens/s is the median over the repeats.
+
     python benchmarks/cdlm_arithmetic.py --run runs/cdlm-arith --problems 100
 """
 
@@ -14,19 +16,23 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_tidar  # noqa: F401  (registers the cdlm model type)
-from hf_tidar.cdlm.arithmetic import answer_accuracy, split
+from hf_tidar import CdlmForCausalLM, metrics  # importing hf_tidar registers the cdlm model type
+from hf_tidar.cdlm.arithmetic import split
 
 
 def evaluate(model, tokenizer, problems, gen_len: int, **generate_kwargs) -> dict:
-    """Decode every problem alone (batch 1); accuracy, mean passes, tokens per pass, tokens/s."""
-    texts, passes, tokens, seconds = [], 0, 0, 0.0
+    """Decode every problem alone (batch 1); accuracy, mean passes, tokens per pass, tokens/s.
+
+    Accuracy and tokens per pass come from the package's ``evaluate`` modules (loaded by path, offline).
+    """
+    texts, passes, tokens, seconds = [], [], [], 0.0
     for problem in problems:
         ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
         start = time.perf_counter()
@@ -34,13 +40,15 @@ def evaluate(model, tokenizer, problems, gen_len: int, **generate_kwargs) -> dic
         seconds += time.perf_counter() - start
         generated = out.sequences[0, ids.shape[1] :]
         texts.append(tokenizer.decode(generated, skip_special_tokens=True))
-        passes += int(out.forward_passes[0])
-        tokens += generated.shape[0]
+        passes.append(int(out.forward_passes[0]))
+        tokens.append(generated.shape[0])
+    accuracy = metrics.load("answer_accuracy").compute(predictions=texts, references=[p.answer for p in problems])
+    per_pass = metrics.load("tokens_per_pass").compute(tokens=tokens, passes=passes)
     return {
-        "accuracy": answer_accuracy(texts, problems),
-        "forward_passes_per_problem": passes / len(problems),
-        "tokens_per_pass": tokens / passes,
-        "tokens_per_second": tokens / seconds,
+        "accuracy": accuracy["answer_accuracy"],
+        "forward_passes_per_problem": sum(passes) / len(problems),
+        "tokens_per_pass": per_pass["tokens_per_pass"],
+        "tokens_per_second": sum(tokens) / seconds,
         "seconds": seconds,
         "example": texts[0],
     }
@@ -51,6 +59,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--run", type=Path, default=Path("runs/cdlm-arith"), help="the example's --out folder")
     parser.add_argument("--problems", type=int, default=100)
     parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--undistilled", action="store_true", help="add the block-causal teacher copy (ablation)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs over all problems (median tokens/s)")
     parser.add_argument("--threads", type=int, default=1, help="1 avoids OpenMP stalls on a busy CPU")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -62,17 +72,30 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
     teacher = AutoModelForCausalLM.from_pretrained(args.run / "teacher").eval()
     student = AutoModelForCausalLM.from_pretrained(args.run / "student").eval()
-    rows = {
-        "teacher, vanilla": evaluate(teacher, tokenizer, test, gen_len, strategy="dlm", threshold=None),
-        f"teacher, threshold {args.threshold}": evaluate(
-            teacher, tokenizer, test, gen_len, strategy="dlm", threshold=args.threshold
-        ),
-        f"CDLM student, threshold {args.threshold}": evaluate(
-            student, tokenizer, test, gen_len, strategy="cdlm", threshold=args.threshold
-        ),
+    decoders = {
+        "teacher, vanilla": (teacher, dict(strategy="dlm", threshold=None)),
+        f"teacher, threshold {args.threshold}": (teacher, dict(strategy="dlm", threshold=args.threshold)),
+        f"CDLM student, threshold {args.threshold}": (student, dict(strategy="cdlm", threshold=args.threshold)),
     }
+    if args.undistilled:  # ablation: what the distillation adds over the teacher's weights under the same mask
+        copy = CdlmForCausalLM.from_dlm(teacher, attention_mode="block_causal", block_size=student.config.block_size)
+        copy.generation_config = student.generation_config
+        decoders[f"block-causal teacher copy (no distillation), threshold {args.threshold}"] = (
+            copy.eval(), dict(strategy="cdlm", threshold=args.threshold)
+        )
+    for model, kwargs in decoders.values():  # warm-up
+        evaluate(model, tokenizer, test[:2], gen_len, **kwargs)
+    runs = {name: [] for name in decoders}
+    for _ in range(args.repeats):  # interleaved, so a busy moment of the machine hits every decoder alike
+        for name, (model, kwargs) in decoders.items():
+            runs[name].append(evaluate(model, tokenizer, test, gen_len, **kwargs))
+    rows = {}
+    for name, results in runs.items():
+        rows[name] = dict(results[0], tokens_per_second=statistics.median(r["tokens_per_second"] for r in results),
+                          tokens_per_second_runs=[r["tokens_per_second"] for r in results])
     base = rows["teacher, vanilla"]
-    print(f"{len(test)} held-out problems, batch 1, {torch.get_num_threads()} threads, {platform.machine()} CPU")
+    print(f"{len(test)} held-out problems, batch 1, {torch.get_num_threads()} threads, {platform.machine()} CPU, "
+          f"tokens/s: median of {args.repeats} interleaved runs")
     print("| decoder | accuracy | passes / problem | tokens / pass | tokens/s | passes vs vanilla | speed-up |")
     print("|---|---|---|---|---|---|---|")
     for name, r in rows.items():

@@ -145,3 +145,19 @@ def test_arithmetic_task_is_deterministic_and_split():
         assert extract_answer(p.solution) == p.answer
     assert answer_accuracy([p.solution for p in test], test) == 1.0
     assert answer_accuracy(["#### -1"] * len(test), test) == 0.0
+
+
+def test_task_tokenizer_covers_the_task_with_whole_words(tmp_path):
+    from transformers import AutoTokenizer
+
+    from hf_tidar.cdlm.arithmetic import task_tokenizer
+
+    task_tokenizer().save_pretrained(tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)  # what the benchmark loads
+    assert tok.padding_side == "left" and tok.mask_token == "[MASK]" and tok.eos_token == "</s>"
+    for p in generate_problems(7, 300):
+        ids = tok(p.question + p.solution, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert extract_answer(tok.decode(ids)) == p.answer
+    # One token per number and per symbol: "17+8=25." is six tokens.
+    assert tok.convert_ids_to_tokens(tok("17+8=25.", add_special_tokens=False)["input_ids"]) == ["17", "+", "8", "=", "25", "."]
