@@ -3,7 +3,7 @@
     python benchmarks/make_prompt_sets.py
 
 * ``code.jsonl``: the signature and docstring of the first documented public function or method of standard-library
-  files that the training side holds out (``hf_tidar.training.corpus.is_held_out`` at the default 5%
+  files that the training side holds out (``hf_tidar.training.corpus.document_is_held_out`` at the default 5%
   fraction, so neither ``hf-tidar train`` nor the distillation prompts ever see these files).
 * ``chat.jsonl``: hand-written user questions (rendered with the tokenizer's chat template).
 * ``arithmetic.jsonl``: held-out problems of :mod:`hf_tidar.cdlm.arithmetic` (test seed, none in the first
@@ -19,11 +19,10 @@ import sysconfig
 from pathlib import Path
 
 from hf_tidar.cdlm.arithmetic import split
-from hf_tidar.training.corpus import is_held_out
+from hf_tidar.training.corpus import DEFAULT_HELD_OUT_FRACTION, document_is_held_out
 from hf_tidar.training.data import stdlib_source_files
 
 OUT = Path(__file__).resolve().parents[1] / "hf_tidar" / "prompts"
-HELD_OUT_FRACTION = 0.05  # the training side's default (hf-tidar train / distill --held-out-fraction)
 CODE_PROMPTS = 16
 ARITHMETIC_PROMPTS = 16
 CHAT = [
@@ -63,7 +62,7 @@ def code_prompt(path: Path) -> str | None:
 def code_records() -> list[dict]:
     records, root = [], Path(sysconfig.get_paths()["stdlib"])
     for path in stdlib_source_files():
-        if not is_held_out(str(path), HELD_OUT_FRACTION):
+        if not document_is_held_out(f"stdlib:{path.relative_to(root).as_posix()}", DEFAULT_HELD_OUT_FRACTION):
             continue
         prompt = code_prompt(path)
         if prompt is not None:

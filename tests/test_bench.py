@@ -25,7 +25,7 @@ from hf_tidar.bench import (
 from hf_tidar.bench_cli import bench_config, command_line
 from hf_tidar.cli import build_parser, main
 from hf_tidar.hub import benchmark_section
-from hf_tidar.training.corpus import is_held_out
+from hf_tidar.training.corpus import DEFAULT_HELD_OUT_FRACTION, document_is_held_out
 from hf_tidar.training.data import stdlib_source_files
 
 
@@ -149,7 +149,8 @@ def test_shipped_prompt_sets():
     for prompt in load_prompt_set("code"):
         # Every code prompt comes from a file the training side holds out (its default 5% split).
         path = files[prompt.source.removeprefix("stdlib:")]
-        assert prompt.text in path.read_text(encoding="utf-8") and is_held_out(str(path), 0.05), prompt.source
+        assert prompt.text in path.read_text(encoding="utf-8"), prompt.source
+        assert document_is_held_out(prompt.source, DEFAULT_HELD_OUT_FRACTION), prompt.source
     with pytest.raises(ValueError, match="Unknown prompt set"):
         load_prompt_set("poetry")
 

@@ -1,6 +1,7 @@
 """Corpora (files, folders, JSONL, datasets), the by-document split, packing and self-distillation data."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -104,3 +105,16 @@ def test_distillation_is_batched_exactly_and_resumable(tmp_path, corpus_dir, mon
     with pytest.raises(ValueError, match="other prompts"):
         distill(model, tokenizer, prompts[:3], tmp_path / "d", max_new_tokens=6, progress=False)
     assert torch.is_tensor(torch.tensor(again["input_ids"][0]))
+
+
+def test_stdlib_split_is_pinned_and_machine_independent():
+    from hf_tidar.training.corpus import pinned_stdlib_held_out
+
+    split = load_corpus(["stdlib"])
+    names = [d.name for d in split.train + split.held_out]
+    assert all(n.startswith("stdlib:") and not Path(n.removeprefix("stdlib:")).is_absolute() for n in names)
+    held = {d.name.removeprefix("stdlib:") for d in split.held_out}
+    assert held and held <= pinned_stdlib_held_out()  # the pinned list decides, not where Python lives
+    assert not held & {d.name.removeprefix("stdlib:") for d in split.train}
+    other = load_corpus(["stdlib"], held_out_fraction=0.2)  # another fraction: the hash split of the same names
+    assert all(is_held_out(d.name, 0.2) for d in other.held_out) and len(other.held_out) > len(split.held_out)

@@ -3,15 +3,19 @@
 Every source is read as a list of *documents* (a text file, a JSONL record, a dataset row). The
 held-out split is by document and stable: a document's name (its path, or ``source:row``) is hashed,
 so adding files never moves an existing file between the splits, and a test file never leaks into
-training. Undecodable, unreadable and empty documents are skipped and counted, never fatal.
+training. The standard library's documents are named ``stdlib:<path inside the stdlib>``, and at the
+default fraction their split is pinned in ``prompts/stdlib_held_out.txt``: the same files are held out on
+every machine, the ones the shipped adapter never saw and the benchmark prompts are cut from. Undecodable, unreadable and empty documents are skipped and counted, never fatal.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 
 from datasets import Dataset
@@ -22,6 +26,9 @@ TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl", ".c", ".h", ".js", ".ts
 """File types read from folders (a file named explicitly is read whatever its suffix)."""
 STDLIB = "stdlib"
 """Source name for the Python standard library's own ``.py`` files (tests excluded)."""
+DEFAULT_HELD_OUT_FRACTION = 0.05
+"""The held-out share ``hf-tidar train`` and ``distill`` use unless told otherwise."""
+STDLIB_HELD_OUT_LIST = Path(__file__).resolve().parent.parent / "prompts" / "stdlib_held_out.txt"
 
 
 @dataclass
@@ -49,6 +56,21 @@ def is_held_out(name: str, fraction: float) -> bool:
     """Stable hash split: ``name`` is held out when its hash falls below ``fraction``."""
     digest = int(hashlib.sha1(name.encode("utf-8")).hexdigest()[:8], 16)
     return digest / 0xFFFFFFFF < fraction
+
+
+@cache
+def pinned_stdlib_held_out() -> frozenset[str]:
+    """The standard-library files (paths inside the stdlib folder) held out at the default fraction."""
+    lines = STDLIB_HELD_OUT_LIST.read_text(encoding="utf-8").splitlines()
+    return frozenset(line.strip() for line in lines if line.strip() and not line.startswith("#"))
+
+
+def document_is_held_out(name: str, fraction: float) -> bool:
+    """Whether document ``name`` is held out: the pinned list for ``stdlib:`` files at the default
+    fraction (so the split does not depend on where Python is installed), else :func:`is_held_out`."""
+    if name.startswith(f"{STDLIB}:") and fraction == DEFAULT_HELD_OUT_FRACTION:
+        return name.removeprefix(f"{STDLIB}:") in pinned_stdlib_held_out()
+    return is_held_out(name, fraction)
 
 
 def collect_files(path: Path, suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[Path]:
@@ -114,7 +136,7 @@ def read_source(source: str, text_field: str = "text", split: str = "train",
                 max_files: int | None = None) -> tuple[list[Document], int]:
     """Documents of one source: ``"stdlib"``, a file, a folder, a ``.jsonl`` file, or a dataset name/path."""
     if source == STDLIB:
-        files = stdlib_source_files(limit=max_files)
+        return _stdlib_documents(max_files)
     else:
         path = Path(source)
         if path.suffix == ".jsonl" and path.is_file():
@@ -137,12 +159,28 @@ def read_source(source: str, text_field: str = "text", split: str = "train",
     return docs, skipped
 
 
+def _stdlib_documents(max_files: int | None) -> tuple[list[Document], int]:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs, skipped = [], 0
+    for file in stdlib_source_files(limit=max_files):
+        text = _read_file(file)
+        if text is None:
+            skipped += 1
+        else:
+            docs.append(Document(f"{STDLIB}:{file.relative_to(root).as_posix()}", text))
+    return docs, skipped
+
+
 def _looks_like_saved_dataset(path: Path) -> bool:
     return any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json"))
 
 
-def load_corpus(sources: Sequence[str] = (STDLIB,), held_out_fraction: float = 0.05, text_field: str = "text",
-                max_files: int | None = None) -> CorpusSplit:
+def load_corpus(
+    sources: Sequence[str] = (STDLIB,),
+    held_out_fraction: float = DEFAULT_HELD_OUT_FRACTION,
+    text_field: str = "text",
+    max_files: int | None = None,
+) -> CorpusSplit:
     """Read every source and split its documents into train / held-out by a stable hash of their names.
 
     Raises:
@@ -155,7 +193,7 @@ def load_corpus(sources: Sequence[str] = (STDLIB,), held_out_fraction: float = 0
         docs, skipped = read_source(source, text_field=text_field, max_files=max_files)
         split.skipped += skipped
         for doc in docs:
-            (split.held_out if is_held_out(doc.name, held_out_fraction) else split.train).append(doc)
+            (split.held_out if document_is_held_out(doc.name, held_out_fraction) else split.train).append(doc)
     if not split.train:
         raise ValueError(
             f"No usable training text in {', '.join(map(str, sources))} ({split.summary()}). Point the data option "

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from datasets import Dataset, concatenate_datasets, load_from_disk
 
-from .corpus import Document
+from .corpus import DEFAULT_HELD_OUT_FRACTION, Document
 
 IGNORE_INDEX = -100
 MANIFEST = "manifest.json"
@@ -190,7 +190,7 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--held-out-fraction", type=float, default=0.05, help="documents never used for prompts")
+    parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION, help="documents never used for prompts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     return parser

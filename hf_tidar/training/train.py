@@ -24,7 +24,7 @@ from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, Train
 from transformers.trainer_utils import get_last_checkpoint
 
 from .callbacks import HybridLossLogger
-from .corpus import STDLIB, load_corpus, packed_dataset
+from .corpus import DEFAULT_HELD_OUT_FRACTION, STDLIB, load_corpus, packed_dataset
 
 METHODS = ("full", "lora")
 MARKER = "tidar_training.json"
@@ -46,7 +46,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--distilled", nargs="*", default=[], help="self-distillation datasets (python -m hf_tidar.training.distill)")
     add("--text-field", default="text", help="JSONL / dataset field holding the text")
     add("--max-files", type=int, default=None, help="read at most this many files per folder source")
-    add("--held-out-fraction", type=float, default=0.05, help="documents kept out of training (hash split)")
+    add("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION, help="documents kept out of training (hash split; the stdlib split is pinned at the default)")
     add("--seq-len", type=int, default=256, help="packed sample length; must be a multiple of --block-size")
     add("--batch-size", type=int, default=8, help="per-device batch size")
     add("--grad-accum", type=int, default=1)
