@@ -71,6 +71,19 @@ class TidarPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False
 
 
+def _copy_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
+    """Give ``target`` (built on the meta device) ``source``'s buffers that no state dict carries (RoPE's
+    ``inv_freq``); both models share the backbone's module names."""
+    source_buffers = dict(source.named_buffers())
+    for name, buffer in list(target.named_buffers()):
+        if buffer.is_meta:
+            if name not in source_buffers:
+                raise ValueError(f"The source model has no buffer {name!r} to copy.")
+            module_name, _, buffer_name = name.rpartition(".")
+            module = target.get_submodule(module_name)
+            module.register_buffer(buffer_name, source_buffers[name].clone(), persistent=False)
+
+
 class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, GenerationMixin):
     """A Llama / Qwen2 / Qwen3 causal LM that also drafts by one-step diffusion (TiDAR).
 
@@ -150,11 +163,17 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         Adds a ``[MASK]`` token when ``config.mask_token_id`` is ``None``; otherwise checks it fits.
         """
         config.text_config._attn_implementation = source.config._attn_implementation
-        model = cls(config).to(dtype=source.dtype, device=source.device)
-        missing, unexpected = model.load_state_dict(source.state_dict(), strict=False)
+        with torch.device("meta"):  # no random init of weights that are overwritten next (minutes on 8B models)
+            model = cls(config)
+        weights = {name: tensor.detach().clone() for name, tensor in source.state_dict().items()}
+        missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
             raise ValueError(f"Weights do not match the backbone: missing {missing}, unexpected {unexpected}.")
+        _copy_non_persistent_buffers(source, model)
         model.tie_weights()
+        still_meta = [name for name, p in model.named_parameters() if p.is_meta]
+        if still_meta:
+            raise ValueError(f"Weights do not match the backbone: no value for {still_meta}.")
         model.generation_config = copy.deepcopy(source.generation_config)
         mask_token_id = config.mask_token_id
         if mask_token_id is None:

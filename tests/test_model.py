@@ -21,6 +21,21 @@ def test_from_ar_keeps_weight_names_and_adds_a_mask_row():
     torch.testing.assert_close(tidar(prompt).logits[..., :50], ar(prompt).logits)
 
 
+def test_from_ar_copies_weights_and_buffers_without_touching_the_source():
+    ar = tiny_ar_model("qwen2")
+    before = {k: v.clone() for k, v in ar.state_dict().items()}
+    tidar = TidarForCausalLM.from_ar(ar, block_size=2, mask_token_id=63)  # built on meta, then filled
+    assert not any(t.is_meta for t in list(tidar.parameters()) + list(tidar.buffers()))
+    ar_buffers = dict(ar.named_buffers())
+    for name, buffer in tidar.named_buffers():  # RoPE's inv_freq is in no state dict: copied from the source
+        torch.testing.assert_close(buffer, ar_buffers[name], rtol=0, atol=0)
+    with torch.no_grad():
+        for p in tidar.parameters():
+            p.add_(1.0)
+    for name, tensor in ar.state_dict().items():
+        torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)  # copies, not shared storage
+
+
 def test_tied_embeddings_stay_tied():
     tidar = TidarForCausalLM.from_ar(tiny_ar_model("qwen2", tie=True), block_size=2)
     assert tidar.config.tie_word_embeddings
