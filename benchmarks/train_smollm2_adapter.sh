@@ -43,7 +43,8 @@ time hf-tidar distill --model smollm2 --output "$OUT/distilled-seed1" --seed 1 \
 RESUME="$OUT/adapter/checkpoint-$KEEP1"
 LAST=$(ls -d "$OUT"/adapter-stage2/checkpoint-* 2>/dev/null | sort -V | tail -1 || true)
 [[ -n "$LAST" ]] && RESUME=$LAST   # a stopped stage 2 resumes from its own last checkpoint
-# On resume, transformers keeps the checkpoint's save interval, so --save-steps repeats stage 1's.
+# Every 10 steps, as stage 1 (the shipped run resumed before `hf-tidar train` applied a new
+# --save-steps on resume; transformers alone keeps the checkpoint's interval).
 time hf-tidar train --model smollm2 --method lora --block-size 4 --lora-rank 16 \
   --data --distilled "$OUT/distilled" "$OUT/distilled-seed1" --batch-size 8 --seq-len 256 --learning-rate 1e-3 \
   --max-steps "$STEPS2" --save-steps "$SAVE2" --save-total-limit 20 --logging-steps "$LOG" \

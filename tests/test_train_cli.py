@@ -30,7 +30,9 @@ def test_full_training_lowers_both_losses_and_resume_continues_exactly(tmp_path,
 
     out = str(tmp_path / "b")
     _run(tmp_path, capsys, *common[:-1], "4", "--save-steps", "4", "--output", out)
-    resumed = _run(tmp_path, capsys, *common, "--save-steps", "4", "--resume", "auto", "--output", out)
+    resumed = _run(tmp_path, capsys, *common, "--save-steps", "3", "--resume", "auto", "--output", out)
+    # This run's --save-steps applies after the resume (Trainer alone would keep the checkpoint's 4).
+    assert (tmp_path / "b" / "checkpoint-6").is_dir()
     # The history of steps 1..4 comes from the checkpoint; 5..8 were trained after resuming.
     assert resumed["steps"] == 8 and len(resumed["diffusion_losses"]) == 8
     assert resumed["diffusion_losses"] == pytest.approx(straight["diffusion_losses"], rel=1e-5)

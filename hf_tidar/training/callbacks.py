@@ -48,3 +48,14 @@ def _mean_over_processes(means: dict[str, float]) -> dict[str, float]:
     dist.all_reduce(values)
     values /= dist.get_world_size()
     return dict(zip(names, values.tolist(), strict=True))
+
+
+class CurrentIntervals(TrainerCallback):
+    """Apply this run's logging / eval / save intervals after a resume.
+
+    ``Trainer`` restores them from the checkpoint's ``trainer_state.json`` and only warns that they differ
+    from the arguments, so ``--save-steps`` would silently keep the first run's value.
+    """
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        state.compute_steps(args, state.max_steps)

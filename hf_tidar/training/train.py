@@ -23,7 +23,7 @@ import torch
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-from .callbacks import HybridLossLogger
+from .callbacks import CurrentIntervals, HybridLossLogger
 from .corpus import DEFAULT_HELD_OUT_FRACTION, STDLIB, load_corpus, packed_dataset
 
 METHODS = ("full", "lora")
@@ -244,7 +244,10 @@ def run_training(args: argparse.Namespace) -> dict:
         model=model, args=training_args, train_dataset=train_set, eval_dataset=held_out,
         processing_class=tokenizer,
         data_collator=DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
-        callbacks=[MethodMarker({"method": args.method, "block_size": args.block_size, "alpha": args.alpha})],
+        callbacks=[
+            MethodMarker({"method": args.method, "block_size": args.block_size, "alpha": args.alpha}),
+            CurrentIntervals(),
+        ],
     )
     if training_args.world_size > 1 and trainer.accelerator.num_processes != training_args.world_size:
         raise ValueError(f"WORLD_SIZE={training_args.world_size} but accelerate set up "
