@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=1, help="1 avoids OpenMP stalls on a busy CPU")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1.")
     torch.set_num_threads(args.threads)
     pipeline = json.loads((args.run / "pipeline.json").read_text())
     gen_len = int(pipeline["args"]["gen_len"])
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     rows = {}
     for name, results in runs.items():
         rows[name] = dict(results[0], tokens_per_second=statistics.median(r["tokens_per_second"] for r in results),
+                          seconds=statistics.median(r["seconds"] for r in results),
                           tokens_per_second_runs=[r["tokens_per_second"] for r in results])
     base = rows["teacher, vanilla"]
     print(f"{len(test)} held-out problems, batch 1, {torch.get_num_threads()} threads, {platform.machine()} CPU, "

@@ -7,14 +7,14 @@
 #
 # Stage 1 (48 minutes on a 2-core CPU, 2 threads):
 #   self-distillation: SmolLM2's own greedy continuations (64 tokens) of 384 code and 384 chat prompts
-#   cut from the Python standard library's train split (5% of the files, by a stable hash of their paths,
-#   are held out for benchmarks), then gated LoRA (rank 16 on attention + MLP, the [MASK] embedding),
+#   cut from the Python standard library's train split (5% of the files are held out for benchmarks; the
+#   split is pinned in hf_tidar/prompts/stdlib_held_out.txt), then gated LoRA (rank 16 on attention + MLP, the [MASK] embedding),
 #   diffusion loss only, on those rows plus packed standard-library source (seq 256), batch 8, lr 1e-3
 #   cosine over 150 steps, stopped at checkpoint-120 (the session's CPU budget).
 # Stage 2 (about 105 minutes with 1 thread, the other core busy with other work):
 #   768 more distilled rows (prompt seed 1), then resume checkpoint-120 on the distilled rows only (the
 #   model's own greedy outputs are exactly what its drafts must match) up to step 420; the cosine schedule
-#   restarts over the new length. The shipped adapter is checkpoint-420.
+#   is re-planned over 420 steps and continues from step 120. The shipped adapter is checkpoint-420.
 # Export: the checkpoint's adapter weights only, stored in fp16, plus the gate file.
 set -euo pipefail
 

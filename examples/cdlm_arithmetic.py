@@ -231,6 +231,7 @@ def main(argv: list[str] | None = None) -> dict:
         teacher = teacher_from_ar(ar_model, tokenizer, args.block_size)
     else:
         teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers)
+    start = time.time()
     teacher_losses = train_from_scratch(
         teacher, dlm_loss, tokenizer, problems, args.gen_len, args.teacher_steps, args.teacher_batch,
         args.teacher_lr, args.teacher_minutes,

@@ -81,7 +81,8 @@ def _copy_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
                 raise ValueError(f"The source model has no buffer {name!r} to copy.")
             module_name, _, buffer_name = name.rpartition(".")
             module = target.get_submodule(module_name)
-            module.register_buffer(buffer_name, source_buffers[name].clone(), persistent=False)
+            copy_ = source_buffers[name].to(next(source.parameters()).device, copy=True)
+            module.register_buffer(buffer_name, copy_, persistent=False)
 
 
 class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, GenerationMixin):
@@ -165,7 +166,8 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         config.text_config._attn_implementation = source.config._attn_implementation
         with torch.device("meta"):  # no random init of weights that are overwritten next (minutes on 8B models)
             model = cls(config)
-        weights = {name: tensor.detach().clone() for name, tensor in source.state_dict().items()}
+        # One device, as before (a device_map source is gathered onto its first device), and copies, not views.
+        weights = {name: t.detach().to(source.device, copy=True) for name, t in source.state_dict().items()}
         missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
             raise ValueError(f"Weights do not match the backbone: missing {missing}, unexpected {unexpected}.")

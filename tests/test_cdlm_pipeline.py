@@ -59,3 +59,20 @@ def test_benchmark_reports_every_decoder(run, tmp_path):
         assert 1 <= row["forward_passes_per_problem"] <= 16  # gen_len 16: at most one pass per position
     assert rows["teacher, vanilla"]["tokens_per_pass"] <= 1.0  # vanilla finalises exactly one token per pass
     assert json.loads((tmp_path / "r.json").read_text()).keys() == rows.keys()
+
+
+def test_ar_warm_start_loss_labels_the_solution_and_its_first_eos_only():
+    example = load_script("examples/cdlm_arithmetic.py")
+    seen = {}
+
+    class Recorder:
+        config = type("Config", (), {"eos_token_id": 2})()
+
+        def __call__(self, **kwargs):
+            seen.update(kwargs)
+            return type("Out", (), {"loss": 0.0})()
+
+    prompts, targets = [[7, 8, 9], [7]], [[5, 6, 2, 2], [5, 2, 2, 2]]  # solutions padded with EOS (id 2)
+    example.ar_loss(Recorder(), prompts, targets, mask_id=3, pad_id=0, gen=None)
+    assert seen["labels"].tolist() == [[-100, -100, -100, 5, 6, 2, -100], [-100, -100, -100, 5, 2, -100, -100]]
+    assert seen["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]  # left padding skipped

@@ -36,6 +36,11 @@ def test_from_ar_copies_weights_and_buffers_without_touching_the_source():
         torch.testing.assert_close(tensor, before[name], rtol=0, atol=0)  # copies, not shared storage
 
 
+def test_from_ar_keeps_the_source_dtype():
+    tidar = TidarForCausalLM.from_ar(tiny_ar_model("llama").to(torch.bfloat16), block_size=2, mask_token_id=63)
+    assert {p.dtype for p in tidar.parameters()} == {torch.bfloat16}
+
+
 def test_tied_embeddings_stay_tied():
     tidar = TidarForCausalLM.from_ar(tiny_ar_model("qwen2", tie=True), block_size=2)
     assert tidar.config.tie_word_embeddings

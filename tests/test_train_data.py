@@ -9,7 +9,14 @@ from toy import tiny_ar_model
 
 from hf_tidar.training.corpus import check_block_alignment, is_held_out, load_corpus, packed_dataset
 from hf_tidar.training.data import byte_level_tokenizer
-from hf_tidar.training.distill import code_prompts, distill, encode_prompts, greedy_continuations, load_distilled
+from hf_tidar.training.distill import (
+    chat_prompts,
+    code_prompts,
+    distill,
+    encode_prompts,
+    greedy_continuations,
+    load_distilled,
+)
 
 
 @pytest.fixture
@@ -114,7 +121,13 @@ def test_stdlib_split_is_pinned_and_machine_independent():
     names = [d.name for d in split.train + split.held_out]
     assert all(n.startswith("stdlib:") and not Path(n.removeprefix("stdlib:")).is_absolute() for n in names)
     held = {d.name.removeprefix("stdlib:") for d in split.held_out}
-    assert held and held <= pinned_stdlib_held_out()  # the pinned list decides, not where Python lives
-    assert not held & {d.name.removeprefix("stdlib:") for d in split.train}
-    other = load_corpus(["stdlib"], held_out_fraction=0.2)  # another fraction: the hash split of the same names
-    assert all(is_held_out(d.name, 0.2) for d in other.held_out) and len(other.held_out) > len(split.held_out)
+    present = {n.removeprefix("stdlib:") for n in names}
+    assert held and held == pinned_stdlib_held_out() & present  # the pinned list decides, not where Python lives
+    larger = load_corpus(["stdlib"], held_out_fraction=0.2)  # a larger share keeps the pinned files out too
+    larger_held = {d.name for d in larger.held_out}
+    assert {f"stdlib:{h}" for h in held} <= larger_held and len(larger_held) > len(held)
+    assert all(is_held_out(n, 0.2) for n in larger_held - {f"stdlib:{h}" for h in held})
+    smaller = load_corpus(["stdlib"], held_out_fraction=0.01)  # a smaller one: the plain hash split
+    assert all(is_held_out(d.name, 0.01) for d in smaller.held_out)
+    questions = chat_prompts(split.train, 50)
+    assert not any("stdlib:" in q for q in questions)  # module names, not document names

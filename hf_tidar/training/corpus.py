@@ -66,11 +66,16 @@ def pinned_stdlib_held_out() -> frozenset[str]:
 
 
 def document_is_held_out(name: str, fraction: float) -> bool:
-    """Whether document ``name`` is held out: the pinned list for ``stdlib:`` files at the default
-    fraction (so the split does not depend on where Python is installed), else :func:`is_held_out`."""
-    if name.startswith(f"{STDLIB}:") and fraction == DEFAULT_HELD_OUT_FRACTION:
-        return name.removeprefix(f"{STDLIB}:") in pinned_stdlib_held_out()
-    return is_held_out(name, fraction)
+    """Whether document ``name`` is held out, by :func:`is_held_out` except for ``stdlib:`` files.
+
+    Those use the pinned list at the default fraction (so the split does not depend on where Python is
+    installed), and the pinned list plus the hash split above it, so that a larger held-out share never
+    trains on the files the benchmark prompts come from.
+    """
+    if not name.startswith(f"{STDLIB}:") or fraction < DEFAULT_HELD_OUT_FRACTION:
+        return is_held_out(name, fraction)
+    pinned = name.removeprefix(f"{STDLIB}:") in pinned_stdlib_held_out()
+    return pinned if fraction == DEFAULT_HELD_OUT_FRACTION else pinned or is_held_out(name, fraction)
 
 
 def collect_files(path: Path, suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[Path]:

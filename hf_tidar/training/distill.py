@@ -66,7 +66,7 @@ def chat_prompts(docs: Sequence[Document], count: int, seed: int = 0) -> list[st
             tree = ast.parse(doc.text)
         except (SyntaxError, ValueError):
             continue
-        module = Path(doc.name).stem
+        module = Path(doc.name.removeprefix("stdlib:")).stem
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
                 summary = (ast.get_docstring(node) or "").strip().split("\n\n")[0].replace("\n", " ")
