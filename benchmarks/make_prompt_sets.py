@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import ast
 import json
-import sysconfig
 from pathlib import Path
 
 from hf_tidar.cdlm.arithmetic import split
-from hf_tidar.training.corpus import DEFAULT_HELD_OUT_FRACTION, document_is_held_out
+from hf_tidar.training.corpus import DEFAULT_HELD_OUT_FRACTION, document_is_held_out, stdlib_document_name
 from hf_tidar.training.data import stdlib_source_files
 
 OUT = Path(__file__).resolve().parents[1] / "hf_tidar" / "prompts"
@@ -60,13 +59,14 @@ def code_prompt(path: Path) -> str | None:
 
 
 def code_records() -> list[dict]:
-    records, root = [], Path(sysconfig.get_paths()["stdlib"])
+    records = []
     for path in stdlib_source_files():
-        if not document_is_held_out(f"stdlib:{path.relative_to(root).as_posix()}", DEFAULT_HELD_OUT_FRACTION):
+        source = stdlib_document_name(path)
+        if not document_is_held_out(source, DEFAULT_HELD_OUT_FRACTION):
             continue
         prompt = code_prompt(path)
         if prompt is not None:
-            records.append({"kind": "code", "prompt": prompt, "source": f"stdlib:{path.relative_to(root).as_posix()}"})
+            records.append({"kind": "code", "prompt": prompt, "source": source})
         if len(records) == CODE_PROMPTS:
             break
     return records

@@ -3,7 +3,6 @@
 import json
 import math
 import shlex
-import sysconfig
 from dataclasses import fields
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from hf_tidar.bench import (
 from hf_tidar.bench_cli import bench_config, command_line
 from hf_tidar.cli import build_parser, main
 from hf_tidar.hub import benchmark_section
-from hf_tidar.training.corpus import DEFAULT_HELD_OUT_FRACTION, document_is_held_out
+from hf_tidar.training.corpus import DEFAULT_HELD_OUT_FRACTION, document_is_held_out, stdlib_document_name
 from hf_tidar.training.data import stdlib_source_files
 
 
@@ -144,11 +143,10 @@ def test_shipped_prompt_sets():
         prompts = load_prompt_set(name)
         assert len(prompts) >= 8 and all(p.kind == name and p.text for p in prompts)
     assert all(isinstance(p.answer, int) and p.text.endswith("A:") for p in load_prompt_set("arithmetic"))
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = {p.relative_to(stdlib).as_posix(): p for p in stdlib_source_files()}
+    files = {stdlib_document_name(p): p for p in stdlib_source_files()}
     for prompt in load_prompt_set("code"):
         # Every code prompt comes from a file the training side holds out (its default 5% split).
-        path = files[prompt.source.removeprefix("stdlib:")]
+        path = files[prompt.source]
         assert prompt.text in path.read_text(encoding="utf-8"), prompt.source
         assert document_is_held_out(prompt.source, DEFAULT_HELD_OUT_FRACTION), prompt.source
     with pytest.raises(ValueError, match="Unknown prompt set"):

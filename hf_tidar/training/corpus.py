@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import sysconfig
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cache
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
-from .data import pack_texts, stdlib_source_files
+from .data import pack_texts, stdlib_root, stdlib_source_files
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".toml")
 """File types read from folders (a file named explicitly is read whatever its suffix)."""
@@ -141,14 +140,14 @@ def read_source(source: str, text_field: str = "text", split: str = "train",
                 max_files: int | None = None) -> tuple[list[Document], int]:
     """Documents of one source: ``"stdlib"``, a file, a folder, a ``.jsonl`` file, or a dataset name/path."""
     if source == STDLIB:
-        return _stdlib_documents(max_files)
+        files, name = stdlib_source_files(limit=max_files), stdlib_document_name
     else:
         path = Path(source)
         if path.suffix == ".jsonl" and path.is_file():
             return _jsonl_documents(path, text_field)
         if not path.exists() or (path.is_dir() and _looks_like_saved_dataset(path)):
             return _dataset_documents(source, text_field, split)
-        files = collect_files(path)[:max_files]
+        files, name = collect_files(path)[:max_files], str
     docs, skipped = [], 0
     for file in files:
         if file.suffix == ".jsonl":
@@ -160,20 +159,13 @@ def read_source(source: str, text_field: str = "text", split: str = "train",
         if text is None:
             skipped += 1
         else:
-            docs.append(Document(str(file), text))
+            docs.append(Document(name(file), text))
     return docs, skipped
 
 
-def _stdlib_documents(max_files: int | None) -> tuple[list[Document], int]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    docs, skipped = [], 0
-    for file in stdlib_source_files(limit=max_files):
-        text = _read_file(file)
-        if text is None:
-            skipped += 1
-        else:
-            docs.append(Document(f"{STDLIB}:{file.relative_to(root).as_posix()}", text))
-    return docs, skipped
+def stdlib_document_name(path: Path) -> str:
+    """``stdlib:<path inside the stdlib folder>``: the same name wherever Python is installed."""
+    return f"{STDLIB}:{path.relative_to(stdlib_root()).as_posix()}"
 
 
 def _looks_like_saved_dataset(path: Path) -> bool:

@@ -9,12 +9,17 @@ from pathlib import Path
 from datasets import Dataset
 
 
+def stdlib_root() -> Path:
+    """The folder of the running Python's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
 def stdlib_source_files(limit: int | None = None) -> list[Path]:
     """The Python standard library's ``.py`` files (tests and site-packages excluded), sorted.
 
     A real code corpus that every machine with Python has, so examples and tests need no download.
     """
-    root = Path(sysconfig.get_paths()["stdlib"])
+    root = stdlib_root()
     skip = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
     files = sorted(p for p in root.rglob("*.py") if not skip.intersection(p.relative_to(root).parts))
     return files[:limit] if limit is not None else files
