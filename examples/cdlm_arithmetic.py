@@ -26,8 +26,9 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
+from hf_tidar import metrics
 from hf_tidar.cdlm import CdlmConfig, CdlmForCausalLM
-from hf_tidar.cdlm.arithmetic import answer_accuracy, generate_problems, split, task_tokenizer
+from hf_tidar.cdlm.arithmetic import generate_problems, split, task_tokenizer
 from hf_tidar.cdlm.training import CdlmCollator, CdlmTrainer, lora_student
 from hf_tidar.cdlm.trajectories import collect_trajectories, left_pad
 
@@ -162,7 +163,8 @@ def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problem
         ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
         out = model.generate(ids, max_new_tokens=gen_len, do_sample=False)
         texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
-    return answer_accuracy(texts, test)
+    accuracy = metrics.load("answer_accuracy").compute(predictions=texts, references=[p.answer for p in test])
+    return accuracy["answer_accuracy"]
 
 
 def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_size: int, lr: float, rank: int):

@@ -8,9 +8,9 @@ from datasets import Dataset
 from toy import tiny_ar_model
 from transformers import TrainingArguments
 
-from hf_tidar import CdlmForCausalLM
+from hf_tidar import CdlmForCausalLM, metrics
 from hf_tidar.cdlm import trajectories as traj
-from hf_tidar.cdlm.arithmetic import answer_accuracy, extract_answer, generate_problems, split
+from hf_tidar.cdlm.arithmetic import extract_answer, generate_problems, split
 from hf_tidar.cdlm.training import LOSS_NAMES, CdlmCollator, CdlmTrainer, cdlm_losses, lora_student
 from hf_tidar.training import byte_level_tokenizer
 
@@ -143,8 +143,10 @@ def test_arithmetic_task_is_deterministic_and_split():
     assert not {p.question for p in train} & {p.question for p in test}
     for p in train[:20]:
         assert extract_answer(p.solution) == p.answer
-    assert answer_accuracy([p.solution for p in test], test) == 1.0
-    assert answer_accuracy(["#### -1"] * len(test), test) == 0.0
+    accuracy = metrics.load("answer_accuracy")
+    answers = [p.answer for p in test]
+    assert accuracy.compute(predictions=[p.solution for p in test], references=answers)["answer_accuracy"] == 1.0
+    assert accuracy.compute(predictions=["#### -1"] * len(test), references=answers)["answer_accuracy"] == 0.0
 
 
 def test_task_tokenizer_covers_the_task_with_whole_words(tmp_path):

@@ -104,12 +104,3 @@ def extract_answer(text: str) -> int | None:
     """The integer after the first ``####``, or ``None``."""
     match = ANSWER_PATTERN.search(text)
     return int(match.group(1)) if match else None
-
-
-def answer_accuracy(predictions: list[str], problems: list[Problem]) -> float:
-    """Fraction of predictions whose ``####`` answer equals the problem's answer."""
-    if len(predictions) != len(problems):
-        raise ValueError(f"{len(predictions)} predictions for {len(problems)} problems.")
-    if not problems:
-        return 0.0
-    return sum(extract_answer(t) == p.answer for t, p in zip(predictions, problems, strict=True)) / len(problems)
