@@ -71,9 +71,9 @@ class TidarPreTrainedModel(PreTrainedModel):
     _can_compile_fullgraph = False
 
 
-def _copy_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
-    """Give ``target`` (built on the meta device) ``source``'s buffers that no state dict carries (RoPE's
-    ``inv_freq``); both models share the backbone's module names."""
+def _copy_non_persistent_buffers(source: nn.Module, target: nn.Module, device: torch.device) -> None:
+    """Give ``target`` (built on the meta device) copies on ``device`` of ``source``'s buffers that no
+    state dict carries (RoPE's ``inv_freq``); both models share the backbone's module names."""
     source_buffers = dict(source.named_buffers())
     for name, buffer in list(target.named_buffers()):
         if buffer.is_meta:
@@ -81,8 +81,7 @@ def _copy_non_persistent_buffers(source: nn.Module, target: nn.Module) -> None:
                 raise ValueError(f"The source model has no buffer {name!r} to copy.")
             module_name, _, buffer_name = name.rpartition(".")
             module = target.get_submodule(module_name)
-            copy_ = source_buffers[name].to(next(source.parameters()).device, copy=True)
-            module.register_buffer(buffer_name, copy_, persistent=False)
+            module.register_buffer(buffer_name, source_buffers[name].to(device, copy=True), persistent=False)
 
 
 class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, GenerationMixin):
@@ -171,7 +170,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)
         if unexpected or [k for k in missing if k != "lm_head.weight"]:
             raise ValueError(f"Weights do not match the backbone: missing {missing}, unexpected {unexpected}.")
-        _copy_non_persistent_buffers(source, model)
+        _copy_non_persistent_buffers(source, model, source.device)
         model.tie_weights()
         still_meta = [name for name, p in model.named_parameters() if p.is_meta]
         if still_meta:
