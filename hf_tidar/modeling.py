@@ -238,7 +238,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         else:
             hidden = hidden[:, logits_to_keep]
         return TidarCausalLMOutput(
-            logits=self.lm_head(hidden),
+            logits=self.vocab_logits(hidden),
             cache=outputs.cache,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
@@ -261,15 +261,15 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         # Clean token i predicts x_{i+1}; a padding query predicts nothing (it only sees itself).
         ar_targets = labels[:, 1:].masked_fill(~valid[:, :-1], IGNORE_INDEX)
         if alpha > 0:
-            logits = self.lm_head(hidden)
+            logits = self.vocab_logits(hidden)
             ar_logits, diffusion_logits = logits[:, :seq_len], logits[:, seq_len:]
             ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
         else:
             # alpha = 0 (e.g. gated LoRA): the AR loss is only logged, so its large vocabulary projection
             # gets no autograd graph, and the full logits are not kept while training.
-            diffusion_logits = self.lm_head(hidden[:, seq_len:])
+            diffusion_logits = self.vocab_logits(hidden[:, seq_len:])
             with torch.no_grad():
-                ar_logits = self.lm_head(hidden[:, :seq_len])
+                ar_logits = self.vocab_logits(hidden[:, :seq_len])
                 ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
             logits = None if torch.is_grad_enabled() else torch.cat([ar_logits, diffusion_logits], dim=1)
         diffusion_loss = _mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
@@ -309,6 +309,16 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             **kwargs,
         )
         return outputs.last_hidden_state
+
+    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``lm_head`` over ``hidden`` ``[..., H]``, fed as one compact ``[rows, H]`` matrix.
+
+        A slice of a longer sequence (``hidden[:, :k]``) keeps the sequence's batch stride, and the CPU's
+        bf16 matmul takes a path about 15x slower for such a 3-D input (PyTorch 2.13: 46 ms against 3 ms
+        for SmolLM2's 49k-word head). Flattening the rows first is a view for one sequence.
+        """
+        logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1]))
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     def require_mask_token_id(self) -> int:
         """The ``[MASK]`` id, or a ``ValueError`` saying how to get one."""

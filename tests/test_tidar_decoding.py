@@ -144,6 +144,34 @@ def test_mixed_verifier_warns_and_weight_one_is_exact(counting_model):
     assert mixed.shape == expected.shape
 
 
+
+def test_half_precision_greedy_warns_that_ties_may_round_differently(counting_model):
+    prompt = counting_batch(1, 4, 32, torch.Generator().manual_seed(0))
+    half = copy.deepcopy(counting_model).to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="Run in float32 for token-for-token equality"):
+        half.generate(prompt, max_new_tokens=4, strategy="tidar", eos_token_id=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        counting_model.generate(prompt, max_new_tokens=4, strategy="tidar", eos_token_id=None)
+
+
+def test_the_lm_head_gets_compact_rows(counting_model):
+    """A slice ``hidden[:, :k]`` keeps the sequence's batch stride; CPU bf16 matmuls are ~15x slower on it."""
+    seen = []
+    handle = counting_model.lm_head.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    try:
+        prompt = counting_batch(1, 6, 32, torch.Generator().manual_seed(1))
+        counting_model.generate(prompt, max_new_tokens=10, strategy="tidar", eos_token_id=None)
+        hidden = torch.randn(2, 9, counting_model.config.get_text_config().hidden_size, dtype=torch.float64)
+        logits = counting_model.vocab_logits(hidden[:, 2:5])
+    finally:
+        handle.remove()
+    assert len(seen) > 3
+    assert all(rows.dim() == 2 and rows.stride() == (rows.shape[1], 1) for rows in seen)
+    assert logits.shape == (2, 3, counting_model.config.get_text_config().vocab_size)
+    assert torch.allclose(logits, counting_model.lm_head(hidden[:, 2:5].contiguous()), atol=1e-12, rtol=0)
+
+
 # -- batches ----------------------------------------------------------------------------------------
 
 

@@ -87,7 +87,7 @@ class BlockDecoder:
 
     def finalise(self, start: int, end: int, hidden: torch.Tensor) -> None:
         """One pass's decision for block ``[start, end)``; ``hidden`` ``[batch, end - start, H]`` predicts it."""
-        logits = self.model.lm_head(hidden).float()
+        logits = self.model.vocab_logits(hidden).float()
         prefix = torch.cat([self.input_ids, self.tokens[:, :start]], dim=1)
         scores = torch.stack([self.processors(prefix, logits[:, j]) for j in range(end - start)], dim=1)
         confidence, choice = scores.softmax(-1).max(-1)

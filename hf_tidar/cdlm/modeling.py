@@ -166,7 +166,7 @@ class CdlmForCausalLM(TidarForCausalLM):
             raise ValueError("CdlmForCausalLM.forward needs input_ids.")
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
         hidden = self.structured_hidden_states(input_ids, self.layout(valid, prompt_len), cache=None, **kwargs)
-        logits = self.lm_head(hidden)
+        logits = self.vocab_logits(hidden)
         loss = None
         if labels is not None:
             labels = labels.masked_fill(~valid, IGNORE_INDEX)

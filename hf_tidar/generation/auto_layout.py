@@ -73,7 +73,7 @@ def measure_forward_cost(
             start = time.perf_counter()
             hidden = model.model(input_ids=new, cache=cache, use_cache=True, position_ids=positions,
                                  attention_mask=mask)
-            model.lm_head(hidden.last_hidden_state[:, : min(q, 4)])  # logits only where used
+            model.vocab_logits(hidden.last_hidden_state[:, : min(q, 4)])  # logits only where used
             sync_device(device)
             times.append(time.perf_counter() - start)
         costs[q] = sorted(times[1:])[len(times[1:]) // 2]
@@ -95,7 +95,7 @@ def measure_lm_head_cost(model, repeats: int = PROFILE_REPEATS) -> float:
         for rows in (1, LM_HEAD_ROWS):
             sync_device(model.device)
             start = time.perf_counter()
-            model.lm_head(hidden[:, :rows])
+            model.vocab_logits(hidden[:, :rows])
             sync_device(model.device)
             timings.append(time.perf_counter() - start)
         deltas.append(max(0.0, (timings[1] - timings[0]) / (LM_HEAD_ROWS - 1)))

@@ -128,7 +128,7 @@ class TidarDecoder:
 
     def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Diffusion logits of slots, never proposing ``[MASK]`` itself."""
-        logits = self.model.lm_head(hidden).float()
+        logits = self.model.vocab_logits(hidden).float()
         logits[..., self.mask_id] = float("-inf")
         return logits
 
@@ -176,7 +176,7 @@ class TidarDecoder:
         hidden = self.model.structured_hidden_states(torch.cat([input_ids, masks], dim=1), layout, self.cache)
         prompt_len = input_ids.shape[1]
         self.cache.keep_first(prompt_len)
-        ar_logits = self.model.lm_head(hidden[:, prompt_len - 1]).float()
+        ar_logits = self.model.vocab_logits(hidden[:, prompt_len - 1]).float()
         slots = self.slot_logits(hidden[:, prompt_len + 1 :])
         all_drafts = []
         for index, row in enumerate(self.rows):
@@ -213,7 +213,7 @@ class TidarDecoder:
 
     def _verify_rows(self, active: list[int], drafts: list[Drafts], hidden: torch.Tensor) -> list[int]:
         """Verify each active row's drafts; returns the tokens each row emitted."""
-        ar_logits = self.model.lm_head(hidden[:, : self.layout.draft_len]).float()
+        ar_logits = self.model.vocab_logits(hidden[:, : self.layout.draft_len]).float()
         emitted = []
         for index, row_id in enumerate(active):
             row = self.rows[row_id]
@@ -362,6 +362,7 @@ def tidar_decode(
             "longer exactly the AR model's (only verifier_weight=1.0 is).",
             stacklevel=3,
         )
+    _warn_if_rounding_differs(model, generation_config)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -369,6 +370,20 @@ def tidar_decode(
                            streamer, layout, verifier_weight)
     decoder.run(input_ids)
     return decoder.result(input_ids.shape[1])
+
+
+def _warn_if_rounding_differs(model, generation_config) -> None:
+    """Greedy TiDAR is token-exact in float32; say so when the model runs in half precision."""
+    dtype = model.get_input_embeddings().weight.dtype
+    if generation_config.do_sample or dtype not in (torch.float16, torch.bfloat16):
+        return
+    warnings.warn(
+        f"The model runs in {str(dtype).removeprefix('torch.')}: a TiDAR pass verifies several tokens in one "
+        "forward, which rounds differently from a one-token AR step, so greedy output can differ from AR "
+        "greedy output where two tokens' logits (nearly) tie, as with transformers' assisted and prompt-lookup "
+        "decoding. Run in float32 for token-for-token equality.",
+        stacklevel=3,
+    )
 
 
 def resolve_layout(model, draft_length, draft_groups, draft_layout) -> DraftLayout | AutoLayout:
