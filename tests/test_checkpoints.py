@@ -48,3 +48,18 @@ def test_demo_runs_and_reports_identical_output(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 1 and rows[0]["identical"] and rows[0]["new_tokens"] == 8
     assert rows[0]["tokens_per_forward"] >= 1 and rows[0]["ar_tokens_per_s"] > 0
+
+
+def test_pass_cost_benchmark_times_every_row():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "pass_cost.py"
+    spec = importlib.util.spec_from_file_location("pass_cost", path)
+    pass_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pass_cost)
+    rows = pass_cost.measure(torch.float32, draft_lengths=[2], new_tokens=4, repeats=1)
+    assert [(row["what"], row["k"]) for row in rows] == [
+        ("ar step", ""), ("tidar pass, plain", 2), ("tidar pass, adapter", 2)
+    ]
+    assert all(row["ms"] > 0 for row in rows)
