@@ -138,21 +138,27 @@ def test_mixed_verifier_warns_and_weight_one_is_exact(counting_model):
         exact = counting_model.generate(prompt, max_new_tokens=12, strategy="tidar", verifier_weight=1.0,
                                         eos_token_id=None)
     assert torch.equal(exact, expected)
-    with pytest.warns(UserWarning, match="no longer exactly"):
+    with pytest.warns(UserWarning, match="no longer exactly") as record:
         mixed = counting_model.generate(prompt, max_new_tokens=12, strategy="tidar", verifier_weight=0.0,
                                         eos_token_id=None)
     assert mixed.shape == expected.shape
-
+    assert record[0].filename == __file__
 
 
 def test_half_precision_greedy_warns_that_ties_may_round_differently(counting_model):
     prompt = counting_batch(1, 4, 32, torch.Generator().manual_seed(0))
     half = copy.deepcopy(counting_model).to(torch.bfloat16)
-    with pytest.warns(UserWarning, match="Run in float32 for token-for-token equality"):
+    with pytest.warns(UserWarning, match="float32 for token-for-token equality") as record:
         half.generate(prompt, max_new_tokens=4, strategy="tidar", eos_token_id=None)
+    assert record[0].filename == __file__  # the warning names the user's call, not library frames
+    single = copy.deepcopy(counting_model).to(torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        counting_model.generate(prompt, max_new_tokens=4, strategy="tidar", eos_token_id=None)
+        for model, sample in ((counting_model, False), (single, False), (half, True)):
+            model.generate(prompt, max_new_tokens=4, strategy="tidar", eos_token_id=None, do_sample=sample)
+    with pytest.warns(UserWarning) as record:  # a mixed verifier is inexact anyway: one warning says so
+        half.generate(prompt, max_new_tokens=4, strategy="tidar", eos_token_id=None, verifier_weight=0.5)
+    assert [str(w.message).split(":")[0] for w in record] == ["verifier_weight=0.5 mixes the diffusion drafts into verification"]
 
 
 def test_the_lm_head_gets_compact_rows(counting_model):
@@ -261,11 +267,19 @@ def test_auto_layout_charges_the_lm_head_for_every_projected_row():
     chooser = AutoLayout(flat, 8, lm_head_row_cost=0.5)
     assert chooser.step_cost(DraftLayout(1, (1,))) == 1.0  # 1 row, already in the profiled forward
     assert chooser.step_cost(DraftLayout(8, (1,))) == 1.0 + (15 - 4) * 0.5
+    assert chooser.step_cost(DraftLayout(4, (1, 2, 3, 4))) == 1.0 + (16 - 4) * 0.5  # every group's slots
     for _ in range(200):
         chooser.observe(8, 3)  # two drafts accepted, the third rejected
     free_head = AutoLayout(flat, 8)
     free_head.stats = chooser.stats
     assert chooser.choose().draft_len < free_head.choose().draft_len
+
+
+def test_a_pass_projects_drafts_and_every_groups_slots_after_its_first():
+    layout = DraftLayout.build(3, [1, 3], block_size=4)  # query: d0 d1 d2 | group 1: 3 4 5 | group 3: 6 7 8
+    assert layout.projected_rows == (0, 1, 2, 4, 5, 7, 8)
+    assert [layout.projected_rows[layout.projected_slot_start(g)] for g in (1, 3)] == [4, 7]
+    assert DraftLayout.build(1, None, block_size=4).projected_rows == (0,)
 
 
 def test_expected_tokens_per_pass_matches_simple_cases():

@@ -119,11 +119,16 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+#: bumped when what a profile measures changes, so older cached curves are measured again
+#: (2: the LM head gets compact rows, which changed bf16 costs on CPUs several-fold)
+PROFILE_VERSION = 2
+
+
 def _profile_key(model) -> str:
     config = model.config.get_text_config().to_json_string(use_diff=False)
     digest = hashlib.sha256(config.encode()).hexdigest()[:16]
     attn = model.config.get_text_config()._attn_implementation
-    return (f"{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
+    return (f"v{PROFILE_VERSION}-{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
             f"-t{torch.get_num_threads()}")
 
 
@@ -232,9 +237,9 @@ class AutoLayout:
 
     def step_cost(self, layout: DraftLayout) -> float:
         """Seconds of one pass: the profiled forward (which projects ``min(q, 4)`` rows onto the vocabulary)
-        plus the LM head on the rest of the ``2k - 1`` rows a step projects (drafts, next-draft slots)."""
-        q, k = layout.query_len, layout.draft_len
-        extra_rows = max(0, (2 * k - 1) - min(q, 4))
+        plus the LM head on the rest of the rows a step projects (``layout.projected_rows``)."""
+        q = layout.query_len
+        extra_rows = max(0, len(layout.projected_rows) - min(q, 4))
         return interpolate(self.costs, q) + extra_rows * self.lm_head_row_cost
 
     def tokens_per_second(self, layout: DraftLayout) -> float:

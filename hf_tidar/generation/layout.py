@@ -54,6 +54,24 @@ class DraftLayout:
         """Query index of the first slot of ``group``."""
         return self.draft_len * (1 + self.groups.index(group))
 
+    @property
+    def projected_rows(self) -> tuple[int, ...]:
+        """Query indices a pass projects onto the vocabulary, in this order: the ``k`` draft positions
+        (verification), then each group's slots after its first (the first is the verifier's position).
+
+        One LM-head call over all of them reads the head's weights once per pass; which group's slots are
+        used is only known after verification.
+        """
+        rows = list(range(self.draft_len))
+        for group in self.groups:
+            start = self.group_start(group)
+            rows += range(start + 1, start + self.draft_len)
+        return tuple(rows)
+
+    def projected_slot_start(self, group: int) -> int:
+        """Index, among :attr:`projected_rows`, of ``group``'s second slot (its first projected one)."""
+        return self.draft_len + self.groups.index(group) * (self.draft_len - 1)
+
     def next_draft_len(self, accepted: int) -> int:
         """How many drafts the next block holds after ``accepted`` drafts were accepted."""
         return self.draft_len - (accepted - self.source_group(accepted))

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from .._stack import user_stacklevel
 from ..cache import DraftCache
 from ..masks import DecodeMaskState, DecodeStepMasks, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
@@ -126,9 +127,9 @@ class TidarDecoder:
             prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
         return Drafts(tokens, torch.stack(rows_scores))
 
-    def slot_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Diffusion logits of slots, never proposing ``[MASK]`` itself."""
-        logits = self.model.vocab_logits(hidden).float()
+    def slot_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Diffusion logits of slots with ``[MASK]`` itself never proposed (a copy)."""
+        logits = logits.clone()
         logits[..., self.mask_id] = float("-inf")
         return logits
 
@@ -176,8 +177,10 @@ class TidarDecoder:
         hidden = self.model.structured_hidden_states(torch.cat([input_ids, masks], dim=1), layout, self.cache)
         prompt_len = input_ids.shape[1]
         self.cache.keep_first(prompt_len)
-        ar_logits = self.model.vocab_logits(hidden[:, prompt_len - 1]).float()
-        slots = self.slot_logits(hidden[:, prompt_len + 1 :])
+        # One LM-head call: the last prompt position (AR) and the group's slots after its first (drafts).
+        rows = [prompt_len - 1, *range(prompt_len + 1, prompt_len + k)]
+        logits = self.model.vocab_logits(hidden[:, rows]).float()
+        ar_logits, slots = logits[:, 0], self.slot_logits(logits[:, 1:])
         all_drafts = []
         for index, row in enumerate(self.rows):
             scores = self.scorer.one(row.sequence, ar_logits[index])
@@ -189,11 +192,12 @@ class TidarDecoder:
     def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskState) -> list[Drafts | None]:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
         hidden = self._forward(drafts, state)
-        emitted = self._verify_rows(active, drafts, hidden)
+        logits = self.model.vocab_logits(hidden[:, list(self.layout.projected_rows)]).float()
+        emitted = self._verify_rows(active, drafts, logits[:, : self.layout.draft_len])
         most = max(emitted)
         self.cache.keep_first(state.length + most)  # the accepted drafts' KV; the rest of the pass goes
         state.commit(torch.tensor(emitted, device=self.device), most)
-        return self._next_drafts(active, emitted, hidden)
+        return self._next_drafts(active, emitted, logits)
 
     def _forward(self, drafts: list[Drafts], state: DecodeMaskState) -> torch.Tensor:
         """The pass itself: drafts then the layout's mask groups, over the cache. Returns hidden states."""
@@ -211,9 +215,8 @@ class TidarDecoder:
             mask=state.step_mask(masks, self.attn_impl, self.dtype), position_ids=state.position_ids(masks),
         )
 
-    def _verify_rows(self, active: list[int], drafts: list[Drafts], hidden: torch.Tensor) -> list[int]:
-        """Verify each active row's drafts; returns the tokens each row emitted."""
-        ar_logits = self.model.vocab_logits(hidden[:, : self.layout.draft_len]).float()
+    def _verify_rows(self, active: list[int], drafts: list[Drafts], ar_logits: torch.Tensor) -> list[int]:
+        """Verify each active row's drafts against its AR logits ``[batch, k, V]``; returns tokens emitted."""
         emitted = []
         for index, row_id in enumerate(active):
             row = self.rows[row_id]
@@ -226,8 +229,11 @@ class TidarDecoder:
             self.auto.count_pass()
         return emitted
 
-    def _next_drafts(self, active: list[int], emitted: list[int], hidden: torch.Tensor) -> list[Drafts | None]:
-        """Each unfinished row's next block: its source group's slots after the verifier's own token."""
+    def _next_drafts(self, active: list[int], emitted: list[int], logits: torch.Tensor) -> list[Drafts | None]:
+        """Each unfinished row's next block: its source group's slots after the verifier's own token.
+
+        ``logits`` are the pass's projected rows (:attr:`DraftLayout.projected_rows`).
+        """
         layout = self.layout
         next_drafts = []
         for index, row_id in enumerate(active):
@@ -237,8 +243,10 @@ class TidarDecoder:
                 continue
             accepted = emitted[index]
             group = layout.source_group(accepted)
-            first_slot = layout.group_start(group) + (accepted - group)  # the verifier's position
-            slots = self.slot_logits(hidden[index, first_slot + 1 : layout.group_start(group) + layout.draft_len])
+            # The group's slot at offset accepted - group is the verifier's position; drafts follow it.
+            start = layout.projected_slot_start(group) + (accepted - group)
+            end = layout.projected_slot_start(group) + layout.draft_len - 1
+            slots = self.slot_logits(logits[index, start:end])
             next_drafts.append(self.draft(row, int(row.ids[0, row.length - 1]), slots))
         return next_drafts
 
@@ -360,9 +368,10 @@ def tidar_decode(
         warnings.warn(
             f"verifier_weight={verifier_weight} mixes the diffusion drafts into verification: the output is no "
             "longer exactly the AR model's (only verifier_weight=1.0 is).",
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
-    _warn_if_rounding_differs(model, generation_config)
+    else:
+        _warn_if_rounding_differs(model, generation_config)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -373,7 +382,7 @@ def tidar_decode(
 
 
 def _warn_if_rounding_differs(model, generation_config) -> None:
-    """Greedy TiDAR is token-exact in float32; say so when the model runs in half precision."""
+    """Say that greedy TiDAR may part from AR at near-ties when the model runs in half precision."""
     dtype = model.get_input_embeddings().weight.dtype
     if generation_config.do_sample or dtype not in (torch.float16, torch.bfloat16):
         return
@@ -381,8 +390,9 @@ def _warn_if_rounding_differs(model, generation_config) -> None:
         f"The model runs in {str(dtype).removeprefix('torch.')}: a TiDAR pass verifies several tokens in one "
         "forward, which rounds differently from a one-token AR step, so greedy output can differ from AR "
         "greedy output where two tokens' logits (nearly) tie, as with transformers' assisted and prompt-lookup "
-        "decoding. Run in float32 for token-for-token equality.",
-        stacklevel=3,
+        "decoding. Use float32 for token-for-token equality in practice (every float32 benchmark of ours matched "
+        "AR), float64 to rule out ties altogether.",
+        stacklevel=user_stacklevel(),
     )
 
 

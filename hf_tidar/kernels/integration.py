@@ -10,6 +10,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .._stack import user_stacklevel
 from ..masks import TidarLayout, to_bool_mask
 from .descriptors import TidarMaskCarrier, TileDescriptors
 
@@ -84,7 +85,7 @@ def _warn_dense_fallback(reason: str) -> None:
     warnings.warn(
         f"tidar_triton: falling back to sdpa with a dense mask ({reason}); the kernel is forward-only for "
         "fp32/fp16/bf16 without dropout. Results are the same, memory and time are not.",
-        stacklevel=3,
+        stacklevel=user_stacklevel(),
     )
 
 
