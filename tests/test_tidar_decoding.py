@@ -354,6 +354,23 @@ def test_histogram_and_scores_in_the_dict_output(counting_model):
         assert torch.equal(chosen, out.sequences[row, ids.shape[1] :])
 
 
+def test_kept_scores_and_logits_do_not_pin_the_whole_pass(counting_model, monkeypatch):
+    """Each kept ``[V]`` row owns its memory: a view would keep the pass's every projected row alive."""
+    kept = []
+    result = tidar_loop.TidarDecoder.result
+
+    def capture(self, prompt_len):
+        kept.extend(t for row in self.rows for t in row.scores + row.logits)
+        return result(self, prompt_len)
+
+    monkeypatch.setattr(tidar_loop.TidarDecoder, "result", capture)
+    prompt = counting_batch(1, 4, 32, torch.Generator().manual_seed(2))
+    counting_model.generate(prompt, max_new_tokens=8, strategy="tidar", eos_token_id=None,
+                            return_dict_in_generate=True, output_scores=True, output_logits=True)
+    assert len(kept) == 16
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in kept)
+
+
 # -- bad input ------------------------------------------------------------------------------------
 
 

@@ -78,6 +78,7 @@ class TidarDecoder:
         self.auto = layout if isinstance(layout, AutoLayout) else None
         self.layout = self.auto.choose() if self.auto else layout
         self.step_masks: dict[DraftLayout, DecodeStepMasks] = {}
+        self.projected_index: dict[DraftLayout, torch.Tensor] = {}
         self.keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.attn_impl = model.model.config._attn_implementation
@@ -99,10 +100,11 @@ class TidarDecoder:
         """Append one token to ``row`` exactly as AR decoding would; returns whether the row must stop."""
         row.ids[0, row.length] = token
         row.length += 1
+        # Copies: these are views of a whole pass's projected rows, which would otherwise stay alive.
         if self.keep_scores:
-            row.scores.append(scores)
+            row.scores.append(scores.clone())
         if self.keep_logits:
-            row.logits.append(logits)
+            row.logits.append(logits.clone())
         if self.streamer is not None:
             self.streamer.put(torch.tensor([token]))
         row.finished = bool(self.stopping_criteria(row.sequence, scores[None]).any())
@@ -192,12 +194,18 @@ class TidarDecoder:
     def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskState) -> list[Drafts | None]:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
         hidden = self._forward(drafts, state)
-        logits = self.model.vocab_logits(hidden[:, list(self.layout.projected_rows)]).float()
+        logits = self.model.vocab_logits(hidden[:, self._projected_index()]).float()
         emitted = self._verify_rows(active, drafts, logits[:, : self.layout.draft_len])
         most = max(emitted)
         self.cache.keep_first(state.length + most)  # the accepted drafts' KV; the rest of the pass goes
         state.commit(torch.tensor(emitted, device=self.device), most)
         return self._next_drafts(active, emitted, logits)
+
+    def _projected_index(self) -> torch.Tensor:
+        """The layout's projected rows as a device tensor, made once per layout."""
+        if self.layout not in self.projected_index:
+            self.projected_index[self.layout] = torch.tensor(self.layout.projected_rows, device=self.device)
+        return self.projected_index[self.layout]
 
     def _forward(self, drafts: list[Drafts], state: DecodeMaskState) -> torch.Tensor:
         """The pass itself: drafts then the layout's mask groups, over the cache. Returns hidden states."""
