@@ -84,8 +84,9 @@ def measure_forward_cost(
 def measure_lm_head_cost(model, repeats: int = PROFILE_REPEATS) -> float:
     """Median seconds the LM head adds per extra row (timed on ``LM_HEAD_ROWS`` rows against one).
 
-    A TiDAR step projects ``k`` draft positions and ``k - 1`` next-draft slots onto the vocabulary; on a
-    small model with a large vocabulary that is a real part of the step's cost.
+    A TiDAR step projects ``k`` draft positions and ``k - 1`` slots of every computed group onto the
+    vocabulary (``DraftLayout.projected_rows``); on a small model with a large vocabulary that is a real
+    part of the step's cost.
     """
     hidden = torch.randn(1, LM_HEAD_ROWS, model.config.get_text_config().hidden_size, device=model.device,
                          dtype=model.dtype)

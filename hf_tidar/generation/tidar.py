@@ -252,9 +252,8 @@ class TidarDecoder:
             accepted = emitted[index]
             group = layout.source_group(accepted)
             # The group's slot at offset accepted - group is the verifier's position; drafts follow it.
-            start = layout.projected_slot_start(group) + (accepted - group)
-            end = layout.projected_slot_start(group) + layout.draft_len - 1
-            slots = self.slot_logits(logits[index, start:end])
+            first = layout.projected_slot_start(group)
+            slots = self.slot_logits(logits[index, first + accepted - group : first + layout.draft_len - 1])
             next_drafts.append(self.draft(row, int(row.ids[0, row.length - 1]), slots))
         return next_drafts
 
