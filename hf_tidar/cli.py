@@ -131,9 +131,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     """Train with the stock ``Trainer`` (see :mod:`hf_tidar.training.train`)."""
-    from .training.train import report, run_training
+    from .training.train import train_and_report
 
-    return report(run_training(args), as_json=args.json)
+    return train_and_report(args)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

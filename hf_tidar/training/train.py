@@ -14,6 +14,7 @@ also gets ``tidar_training.json`` so a resume with the other method is refused.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -278,7 +279,28 @@ def run_training(args: argparse.Namespace) -> dict:
 def main(argv=None) -> int:
     """Entry point shared by ``hf-tidar train`` and ``examples/train_tidar.py``."""
     args = add_train_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
-    return report(run_training(args), as_json=args.json)
+    return train_and_report(args)
+
+
+def train_and_report(args: argparse.Namespace) -> int:
+    """Train, close the process group under torchrun, print the summary; returns the exit code."""
+    summary = run_training(args)
+    close_process_group()
+    return report(summary, as_json=args.json)
+
+
+def close_process_group() -> None:
+    """Under torchrun, destroy the process group once the Trainer and its DDP model are gone.
+
+    Left to interpreter exit, gloo's threads now and then abort a process ("terminate called without an
+    active exception", SIGABRT) after a successful run; destroyed while the DDP model still holds it, a
+    process hangs in the model's destructor. So: collect the Trainer, wait for every process, destroy.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    gc.collect()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def report(summary: dict, as_json: bool) -> int:
