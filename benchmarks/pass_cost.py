@@ -1,28 +1,32 @@
-"""What one TiDAR pass costs against one AR step, per dtype: the backbone + LM head, and the gated adapter.
+"""What one TiDAR pass costs against one AR step: stock linears or the measured CPU path, PEFT or lean adapter.
 
-    python benchmarks/pass_cost.py --dtypes float32 bfloat16 --draft-lengths 2 4 --threads 2
+    python benchmarks/pass_cost.py --draft-lengths 2 3 4 --threads 2 --repeats 5
 
 SmolLM2-135M-Instruct on a code prompt, greedy, 64 new tokens (EOS off, so every run does the same work).
-Per dtype it times, median over ``--repeats`` runs after one warm-up:
+Every configuration is timed in one interleaved loop (round-robin, so machine drift hits them alike),
+median over ``--repeats`` rounds after one warm-up:
 
-* ``ar``: transformers' greedy ``generate`` on the original checkpoint, milliseconds per generated token;
+* ``ar``: transformers' greedy ``generate`` on the original checkpoint, ms per generated token, with
+  stock linears and with the measured CPU path (:mod:`hf_tidar.cpu`);
 * ``plain``: ``TidarForCausalLM.from_ar`` (no adapter: backbone, LM head and the decode loop), ms per pass;
-* ``adapter``: the same plus the shipped gated LoRA adapter, ms per pass.
+* ``peft`` / ``lean``: the same plus the shipped gated adapter, under PEFT or in its lean inference form.
 
-Passes include the prefill (a pass over the prompt and one mask group), as generated tokens do for AR.
-The adapter's extra cost per pass is ``adapter - plain``; ``k / (ms per pass / ms per AR step)`` is the
-speed-up perfect drafts would give (a pass commits at most ``k`` tokens).
+Passes include the prefill. ``k / (ms per pass / ms per AR step)`` is the speed-up perfect drafts would
+give (a pass commits at most ``k`` tokens). Ratios are against the stock AR step and the AR step on the
+same linear path.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import platform
 import statistics
 import time
 
 import torch
 
-from hf_tidar import TidarForCausalLM
+from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.checkpoints import load_smollm2
 from hf_tidar.demo import SHIPPED_ADAPTER
 from hf_tidar.training.gated_lora import load_tidar_adapter
@@ -30,62 +34,74 @@ from hf_tidar.training.gated_lora import load_tidar_adapter
 PROMPT = "import os\n\n\ndef walk(folder):\n    \"\"\"Yield every file under folder.\"\"\"\n"
 
 
-def _median_ms_per_unit(run, repeats: int) -> float:
-    """Median of ``seconds / units`` over ``repeats`` calls of ``run() -> units``, after one warm-up call."""
-    run()
-    per_unit = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        units = run()
-        per_unit.append((time.perf_counter() - start) / units)
-    return statistics.median(per_unit) * 1e3
-
-
-def measure(dtype: torch.dtype, draft_lengths: list[int], new_tokens: int, repeats: int) -> list[dict]:
-    """Rows of the table for one dtype."""
-    ar, tokenizer = load_smollm2()
+def build(dtype: torch.dtype, linears: list[str], draft_lengths: list[int], new_tokens: int):
+    """``{(linears, what, k): run}``, each ``run() -> units`` (tokens for AR, passes for TiDAR)."""
+    ar, tokenizer = load_smollm2(quiet=True)
     prompt = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     settings = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                     attention_mask=torch.ones_like(prompt))
-    models = {
-        "plain": TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=tokenizer).eval().to(dtype),
-        "adapter": load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=tokenizer).to(dtype),
-    }
-    ar = ar.eval().to(dtype)
-    with torch.inference_mode():
-        ar_ms = _median_ms_per_unit(lambda: ar.generate(prompt, **settings).shape[1] - prompt.shape[1], repeats)
-        rows = [{"dtype": dtype, "what": "ar step", "k": "", "ms": ar_ms}]
+    runs = {}
+    for path in linears:
+        ar_model = copy.deepcopy(ar).eval().to(dtype)
+        models = {
+            "plain": TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=copy.deepcopy(tokenizer)).eval(),
+            "peft": load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer)),
+            "lean": load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True),
+        }
+        models = {name: model.to(dtype) for name, model in models.items()}
+        if path == "measured":
+            for model in (ar_model, *models.values()):
+                cpu.enable(model)
+        runs[(path, "ar step", 0)] = lambda m=ar_model: m.generate(prompt, **settings).shape[1] - prompt.shape[1]
         for k in draft_lengths:
             for name, model in models.items():
                 def one_run(model=model, k=k) -> int:
                     out = model.generate(prompt, strategy="tidar", draft_length=k, return_dict_in_generate=True,
                                          **settings)
                     return int(out.forward_passes[0]) + 1  # + the prefill pass
-                rows.append({"dtype": dtype, "what": f"tidar pass, {name}", "k": k,
-                             "ms": _median_ms_per_unit(one_run, repeats)})
-    return rows
+                runs[(path, f"tidar pass, {name}", k)] = one_run
+    return runs
+
+
+@torch.inference_mode()
+def measure(runs: dict, repeats: int) -> dict:
+    """Median ms per unit of every run, timed round-robin."""
+    for run in runs.values():
+        run()
+    samples = {key: [] for key in runs}
+    for _ in range(repeats):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            units = run()
+            samples[key].append((time.perf_counter() - start) / units)
+    return {key: statistics.median(values) * 1e3 for key, values in samples.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--draft-lengths", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--linears", nargs="+", default=["stock", "measured"], choices=["stock", "measured"])
+    parser.add_argument("--draft-lengths", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch threads: {torch.get_num_threads()}; median of {args.repeats} runs, {args.max_new_tokens} new tokens")
-    print("\n| dtype | what | k | ms | x AR step | perfect drafts: at most |")
-    print("|---|---|---|---|---|---|")
-    for name in args.dtypes:
-        rows = measure(getattr(torch, name), args.draft_lengths, args.max_new_tokens, args.repeats)
-        ar_ms = rows[0]["ms"]
-        for row in rows:
-            ratio = row["ms"] / ar_ms
-            ceiling = f"{row['k'] / ratio:.2f}x AR" if row["k"] else ""
-            print(f"| {name} | {row['what']} | {row['k']} | {row['ms']:.1f} | {ratio:.2f}x | {ceiling} |", flush=True)
+    flags = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in open("/proc/cpuinfo").read()]
+    print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; {args.dtype}; median of {args.repeats} interleaved rounds, "
+          f"{args.max_new_tokens} new tokens")
+    ms = measure(build(getattr(torch, args.dtype), args.linears, args.draft_lengths, args.max_new_tokens),
+                 args.repeats)
+    stock_ar = ms.get(("stock", "ar step", 0))
+    print("\n| linears | what | k | ms | x AR step, same linears | x stock AR step | perfect drafts: at most |")
+    print("|---|---|---|---|---|---|---|")
+    for (path, what, k), value in ms.items():
+        same = value / ms[(path, "ar step", 0)]
+        stock = f"{value / stock_ar:.2f}x" if stock_ar else ""
+        ceiling = f"{k / (value / stock_ar):.2f}x stock AR" if k and stock_ar else ""
+        print(f"| {path} | {what} | {k or ''} | {value:.1f} | {same:.2f}x | {stock} | {ceiling} |", flush=True)
 
 
 if __name__ == "__main__":

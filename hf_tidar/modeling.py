@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import os
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -287,6 +288,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         cache=None,
         mask: object | None = None,
         position_ids: torch.Tensor | None = None,
+        mask_tail_start: int | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """Run the backbone over ``input_ids`` (the layout's queries) under the layout's mask.
@@ -295,19 +297,24 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         already rendered ``mask`` with its ``position_ids`` (the decode loop renders masks itself).
         Returns the last hidden states ``[batch, query_len, hidden]``; apply ``lm_head`` only where
         logits are needed (the vocabulary projection is the largest matmul of a small model).
+        ``mask_tail_start``: the query index where the ``[MASK]`` tail starts, when the caller knows it
+        (a lean gated adapter then needs no search of ``input_ids``).
         """
         if layout is not None:
             attn_impl = self.model.config._attn_implementation
             mask = render_mask(layout, attn_impl, self.get_input_embeddings().weight.dtype)
             position_ids = layout.query_position_ids
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=cache is not None,
-            **kwargs,
-        )
+        tail = getattr(self, "mask_tail", None)
+        fixed = tail.fixed_at(mask_tail_start) if tail is not None and mask_tail_start is not None else nullcontext()
+        with fixed:
+            outputs = self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=cache is not None,
+                **kwargs,
+            )
         return outputs.last_hidden_state
 
     def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:

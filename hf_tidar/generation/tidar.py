@@ -176,7 +176,8 @@ class TidarDecoder:
         k = self.layout.draft_len
         layout = tidar_prefill_layout(self.attention_mask, k)
         masks = torch.full((input_ids.shape[0], k), self.mask_id, dtype=torch.long, device=self.device)
-        hidden = self.model.structured_hidden_states(torch.cat([input_ids, masks], dim=1), layout, self.cache)
+        hidden = self.model.structured_hidden_states(torch.cat([input_ids, masks], dim=1), layout, self.cache,
+                                                     mask_tail_start=input_ids.shape[1])
         prompt_len = input_ids.shape[1]
         self.cache.keep_first(prompt_len)
         # One LM-head call: the last prompt position (AR) and the group's slots after its first (drafts).
@@ -221,6 +222,7 @@ class TidarDecoder:
         return self.model.structured_hidden_states(
             torch.cat([draft_tokens, groups], dim=1), None, self.cache,
             mask=state.step_mask(masks, self.attn_impl, self.dtype), position_ids=state.position_ids(masks),
+            mask_tail_start=k,
         )
 
     def _verify_rows(self, active: list[int], drafts: list[Drafts], ar_logits: torch.Tensor) -> list[int]:

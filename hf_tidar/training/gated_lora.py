@@ -301,14 +301,24 @@ def tidar_base_for_adapter(ar_model, tokenizer=None, block_size: int = 4):
     return model
 
 
-def load_tidar_adapter(ar_model, adapter_folder: str | os.PathLike, tokenizer=None):
-    """What the demo needs: an AR checkpoint + a gated adapter folder -> a lossless TiDAR ``PeftModel``.
+def load_tidar_adapter(ar_model, adapter_folder: str | os.PathLike, tokenizer=None, lean: bool = False):
+    """An AR checkpoint + a gated adapter folder -> a lossless TiDAR model.
 
     ``model.generate(ids, strategy="tidar")`` then equals the AR model's greedy output token for token.
+
+    Args:
+        lean: return the adapter's inference form (:func:`hf_tidar.adapters.to_lean`): a plain
+            ``TidarForCausalLM`` whose LoRA acts on the ``[MASK]`` tail only, with no PEFT dispatch or
+            hooks — the fast form for generation. Default: the ``PeftModel`` (for training, saving, pushing).
     """
     info = read_gate_info(adapter_folder)
     base = tidar_base_for_adapter(ar_model, tokenizer=tokenizer, block_size=int(info["block_size"]))
-    return load_gated_lora(base, adapter_folder).eval()
+    model = load_gated_lora(base, adapter_folder).eval()
+    if lean:
+        from ..adapters.lean import to_lean
+
+        model = to_lean(model).eval()
+    return model
 
 
 def export_gated_adapter(checkpoint: str | os.PathLike, base_tidar: nn.Module, output: str | os.PathLike,

@@ -1,0 +1,277 @@
+"""Measured matmul paths for the few-row linears of decoding on a CPU.
+
+A decode step multiplies each weight by a handful of rows: 1 for an AR step, ``k + k * g`` for a TiDAR
+pass, ``1 + n`` for prompt lookup. On CPUs torch's default ``F.linear`` (``x @ Wᵀ``) takes very
+different BLAS paths for such row counts, and the fastest one is not the same for every shape: on a
+2-core AVX2 EPYC, SmolLM2's 576→49152 LM head costs 9.7 ms for one row, 21 ms for two and 23 ms for
+four with ``F.linear``, but 4.9 ms for one row as ``x @ W_t`` with a contiguous transposed copy, and
+6-7 ms for two to four rows as ``(W @ xᵀ)ᵀ``. A pass reads every weight once whatever its row count,
+so the physical cost of a few more rows is small; this module finds the fast path per machine.
+
+For each weight shape and dtype :func:`profile_shape` times every method at every row count up to
+:data:`MAX_ROWS` (a few seconds, cached on disk per CPU, torch version and thread count), and a row
+count may be padded up to a faster one (``W @ xᵀ`` on 16 rows can beat 12). :func:`enable` then turns
+every ``nn.Linear`` of a model into a :class:`MeasuredLinear`: same parameters, same state dict, same
+results up to floating-point rounding order, and plain ``F.linear`` whenever autograd records, the
+weight is not on the CPU or the row count is larger than profiled.
+
+It is opt-in and applies to every strategy alike — enable it on the AR baseline too when comparing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..checkpoints import cache_root
+
+logger = logging.getLogger(__name__)
+
+MAX_ROWS = 32
+"""Largest row count a plan covers; bigger inputs (prefills, training) always use ``F.linear``."""
+
+def _onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+METHODS = ("linear", "w_xt", "onednn")
+"""``linear``: ``F.linear(x, W)``; ``w_xt``: ``(W @ xᵀ)ᵀ``; ``onednn``: oneDNN's linear on a copy of ``W``
+packed for it once (what torch.compile's CPU backend uses for frozen linears)."""
+
+
+def methods_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The methods that can run ``dtype`` here (oneDNN's packed linear takes float32 and bfloat16)."""
+    if dtype in (torch.float32, torch.bfloat16) and _onednn_available():
+        return METHODS
+    return METHODS[:2]
+
+ONEDNN_PACK_ROWS = 16
+"""The row count oneDNN packs the weight for (one packing serves every row count)."""
+
+PROFILE_VERSION = 3
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How to multiply ``rows`` rows: ``method`` over the input padded to ``padded_rows`` rows."""
+
+    method: str
+    padded_rows: int
+
+
+# -- measuring ------------------------------------------------------------------------------------
+
+
+def pack_for_onednn(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` reordered into oneDNN's blocked layout (a copy)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ONEDNN_PACK_ROWS)
+
+
+def _run(method: str, weight: torch.Tensor, packed: torch.Tensor | None, x: torch.Tensor,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weightᵀ (+ bias)`` for a 2-D ``x`` by ``method`` (the result may be a transposed view)."""
+    if method == "linear":
+        return F.linear(x, weight, bias)
+    if method == "w_xt":
+        out = torch.mm(weight, x.t()).t()
+        return out if bias is None else out + bias
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+ROW_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 12, 14, 16, 18, 20, 24, 28, 32)
+"""Row counts that are timed; others are padded up to the next one on the grid (or a faster one)."""
+
+COLD_BYTES = 256 * 2**20
+"""Weights are timed cold: a real forward streams every weight from memory once, so a weight that sits in
+the cache (as in a naive micro-benchmark) makes small products look several times faster than they are."""
+
+
+@torch.inference_mode()
+def profile_shape(out_features: int, in_features: int, dtype: torch.dtype, repeats: int = 3,
+                  cold_bytes: int | None = None) -> dict[str, dict[int, float]]:
+    """Median seconds of each method at each row count of :data:`ROW_GRID` for a ``[out, in]`` weight.
+
+    Each timing runs the product once over a pool of distinct weight copies that together exceed the
+    CPU's caches, so every call reads its weight from memory as in a forward pass.
+    """
+    size = out_features * in_features * torch.finfo(dtype).bits // 8
+    copies = max(1, min(512, (COLD_BYTES if cold_bytes is None else cold_bytes) // max(size, 1)))
+    methods = methods_for(dtype)
+    pool = [torch.randn(out_features, in_features, dtype=dtype) for _ in range(copies)]
+    packed = [pack_for_onednn(w) if "onednn" in methods else None for w in pool]
+    timings: dict[str, dict[int, float]] = {}
+    for method in methods:
+        timings[method] = {}
+        for rows in ROW_GRID:
+            x = torch.randn(rows, in_features, dtype=dtype)
+
+            def sweep() -> None:
+                for w, p in zip(pool, packed):
+                    _run(method, w, p, x)
+
+            timings[method][rows] = _median_seconds(sweep, repeats) / copies
+    return timings
+
+
+def best_choices(timings: dict[str, dict[int, float]], max_rows: int = MAX_ROWS) -> list[Choice]:
+    """For each row count ``n`` (index ``n - 1``), the fastest method over every timed padding ``m >= n``.
+
+    ``F.linear`` is never padded: more rows are not cheaper for it in practice, and unpadded it stays
+    exactly torch's own path.
+    """
+    options = [(seconds, Choice(method, int(rows))) for method, per_rows in timings.items()
+               for rows, seconds in per_rows.items()]
+    choices = []
+    for rows in range(1, max_rows + 1):
+        fits = [(t, c) for t, c in options if c.padded_rows >= rows and (c.method != "linear" or c.padded_rows == rows)]
+        choices.append(min(fits, key=lambda tc: tc[0])[1] if fits else Choice("linear", rows))
+    return choices
+
+
+# -- the profile cache ----------------------------------------------------------------------------
+
+
+def machine_key() -> str:
+    """What a profile depends on: CPU model and flags, torch version and thread count."""
+    cpu = platform.processor() or platform.machine()
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    text = f"v{PROFILE_VERSION}|{cpu}|{flags}|{torch.__version__}|{torch.get_num_threads()}"
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _profile_path(out_features: int, in_features: int, dtype: torch.dtype):
+    name = f"{out_features}x{in_features}-{str(dtype).removeprefix('torch.')}.json"
+    return cache_root() / "linear_profiles" / machine_key() / name
+
+
+def choices_for(out_features: int, in_features: int, dtype: torch.dtype, remeasure: bool = False) -> list[Choice]:
+    """The measured plan for one weight shape on this machine (profiled once, then read from disk)."""
+    path = _profile_path(out_features, in_features, dtype)
+    if path.exists() and not remeasure:
+        timings = {method: {int(rows): t for rows, t in per_rows.items()}
+                   for method, per_rows in json.loads(path.read_text())["timings"].items()}
+    else:
+        logger.warning(
+            "hf_tidar: timing matmul paths for a %dx%d %s weight on this CPU (a few seconds, once; cached in %s)",
+            out_features, in_features, str(dtype).removeprefix("torch."), path.parent,
+        )
+        timings = profile_shape(out_features, in_features, dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"timings": timings, "loadavg": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+        partial = path.with_suffix(".partial")
+        partial.write_text(json.dumps(record))
+        partial.replace(path)
+    return best_choices(timings)
+
+
+# -- the module -----------------------------------------------------------------------------------
+
+
+def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``module``'s product by its measured path when :func:`enable` gave it one, else ``F.linear``.
+
+    Plain ``F.linear`` whenever autograd records, the input is not a CPU tensor of the weight's dtype,
+    or the row count is beyond the plan (prefills, training batches).
+    """
+    choices = getattr(module, "choices", None)
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not choices or not 0 < rows <= len(choices) or torch.is_grad_enabled() or x.device.type != "cpu" or \
+            x.dtype != module.weight.dtype:
+        return F.linear(x, module.weight, module.bias)
+    choice = choices[rows - 1]
+    if choice.method == "linear":
+        return F.linear(x, module.weight, module.bias)
+    flat = x.reshape(rows, x.shape[-1])
+    if choice.padded_rows > rows:
+        flat = F.pad(flat, (0, 0, 0, choice.padded_rows - rows))
+    packed = _packed_weight(module) if choice.method == "onednn" else None
+    out = _run(choice.method, module.weight, packed, flat, module.bias)[:rows]
+    # Callers .view() the result (attention splits heads): it must be contiguous.
+    return out.contiguous().reshape(*x.shape[:-1], module.out_features)
+
+
+def _packed_weight(module: nn.Linear) -> torch.Tensor:
+    # Re-packed if the weight was changed in place since (its version counter moved).
+    version = module.weight._version
+    if getattr(module, "_packed", None) is None or module._packed_version != version:
+        module._packed = pack_for_onednn(module.weight)
+        module._packed_version = version
+    return module._packed
+
+
+class MeasuredLinear(nn.Linear):
+    """An ``nn.Linear`` that multiplies few rows by this machine's fastest measured path.
+
+    Made from an existing ``nn.Linear`` by :func:`enable` (the class is swapped in place: parameters,
+    hooks and state-dict names stay). ``choices[n - 1]`` says how to do ``n`` rows.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_forward(self, x)
+
+
+def enable(model: nn.Module, remeasure: bool = False) -> nn.Module:
+    """Make every CPU ``nn.Linear`` of ``model`` a :class:`MeasuredLinear` (in place; returns ``model``).
+
+    Shapes are profiled on first use and cached. Results equal ``F.linear``'s up to rounding order
+    (a different BLAS kernel), so compare strategies with it enabled on every model alike.
+    """
+    plans: dict[tuple, list[Choice]] = {}
+    for module in model.modules():
+        if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
+            continue
+        key = (module.out_features, module.in_features, module.weight.dtype)
+        if key not in plans:
+            plans[key] = choices_for(*key, remeasure=remeasure)
+        # A linear class with its own forward (the lean adapter's) calls linear_forward itself.
+        if not isinstance(module, MeasuredLinear) and not getattr(type(module), "uses_linear_forward", False):
+            module.__class__ = MeasuredLinear
+        module.choices = plans[key]
+        module._packed = None
+        module._packed_version = -1
+    return model
+
+
+def disable(model: nn.Module) -> nn.Module:
+    """Undo :func:`enable`: every :class:`MeasuredLinear` becomes a plain ``nn.Linear`` again."""
+    for module in model.modules():
+        if isinstance(module, MeasuredLinear):
+            module.__class__ = nn.Linear
+        for name in ("choices", "_packed", "_packed_version"):
+            module.__dict__.pop(name, None)
+    return model
+
+
+def is_enabled(model: nn.Module) -> bool:
+    """Whether any linear of ``model`` uses the measured path."""
+    return any(getattr(module, "choices", None) for module in model.modules() if isinstance(module, nn.Linear))

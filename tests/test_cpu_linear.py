@@ -1,0 +1,100 @@
+"""The measured CPU linear path: same products as F.linear by every method, and the plan it picks."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from toy import tiny_ar_model, train_counting_tidar
+
+from hf_tidar import cpu
+from hf_tidar.cpu import linear as measured
+from hf_tidar.cpu.linear import Choice, MeasuredLinear, best_choices, methods_for
+
+
+@pytest.fixture(autouse=True)
+def small_profiles(tmp_path, monkeypatch):
+    """Profiles go to a temporary cache and time a small pool, so tests stay fast."""
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(measured, "COLD_BYTES", 1 << 16)
+
+
+def _with_plan(linear: torch.nn.Linear, choice: Choice) -> torch.nn.Linear:
+    linear.__class__ = MeasuredLinear
+    linear.choices = [choice] * measured.MAX_ROWS
+    linear._packed, linear._packed_version = None, -1
+    return linear
+
+
+@pytest.mark.parametrize("method", ["linear", "w_xt", "onednn"])
+@pytest.mark.parametrize("rows", [1, 3, 7])
+@pytest.mark.parametrize("bias", [False, True])
+def test_every_method_computes_the_linear(method, rows, bias):
+    torch.manual_seed(0)
+    reference = torch.nn.Linear(24, 40, bias=bias)
+    layer = _with_plan(torch.nn.Linear(24, 40, bias=bias), Choice(method, 8 if method != "linear" else rows))
+    layer.load_state_dict(reference.state_dict())
+    x = torch.randn(1, rows, 24)
+    with torch.no_grad():
+        out = layer(x)
+        expected = reference(x)
+    assert out.shape == expected.shape and out.is_contiguous()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_grad_mode_and_big_inputs_take_the_stock_path():
+    layer = _with_plan(torch.nn.Linear(8, 8), Choice("w_xt", 4))
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    out = layer(x)  # grad enabled: F.linear, so autograd sees the usual op
+    out.sum().backward()
+    assert x.grad is not None and out.grad_fn.name().startswith(("AddmmBackward", "ViewBackward", "UnsafeView"))
+    with torch.no_grad():
+        big = torch.randn(measured.MAX_ROWS + 1, 8)
+        torch.testing.assert_close(layer(big), F.linear(big, layer.weight, layer.bias))
+
+
+def test_packed_weight_follows_in_place_changes():
+    layer = _with_plan(torch.nn.Linear(16, 16, bias=False), Choice("onednn", 4))
+    x = torch.randn(2, 16)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.mul_(2)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight))
+
+
+def test_best_choices_pads_only_the_transposed_forms():
+    timings = {
+        "linear": {1: 1.0, 2: 5.0, 4: 5.0},
+        "w_xt": {1: 2.0, 2: 3.0, 4: 1.5},
+    }
+    choices = best_choices(timings, max_rows=4)
+    assert choices[0] == Choice("linear", 1)
+    assert choices[1] == Choice("w_xt", 4)  # 2 rows padded to 4: cheaper than either method on 2
+    assert choices[2] == Choice("w_xt", 4)
+    assert choices[3] == Choice("w_xt", 4)
+    assert methods_for(torch.float64) == ("linear", "w_xt")  # oneDNN's packed linear takes fp32/bf16 only
+
+
+def test_enable_keeps_weights_and_greedy_tidar_still_equals_ar():
+    model = train_counting_tidar(block_size=4, steps=150)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    settings = dict(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    cpu.enable(model)
+    assert cpu.is_enabled(model) and isinstance(model.lm_head, MeasuredLinear)
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    with torch.no_grad():
+        ar = model.generate(prompt, **settings)
+        out = model.generate(prompt, strategy="tidar", return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, ar)
+    assert out.sequences.shape[1] - prompt.shape[1] > out.forward_passes[0] + 1  # drafts were accepted
+    cpu.disable(model)
+    assert not cpu.is_enabled(model) and type(model.lm_head) is torch.nn.Linear
+
+
+def test_profiles_are_cached_per_shape(tmp_path):
+    model = tiny_ar_model(vocab_size=40).float()
+    cpu.enable(model)
+    files = sorted(p.name for p in tmp_path.rglob("*.json"))
+    assert files and all(name.endswith("-float32.json") for name in files)
+    shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    assert len(files) == len(shapes)

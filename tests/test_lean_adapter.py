@@ -1,0 +1,99 @@
+"""The gated adapter's lean inference form: the same drafts as PEFT's gated form, clean rows untouched."""
+
+import pytest
+import torch
+from toy import counting_batch, tiny_ar_model
+
+from hf_tidar import cpu
+from hf_tidar.cpu import linear as cpu_linear
+from hf_tidar.adapters import TailLoraLinear, is_lean, to_lean
+from hf_tidar.masks import tidar_training_layout
+from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
+
+VOCAB, BLOCK = 32, 4
+
+
+def _gated_pair(dtype=torch.float64, seed=0):
+    """A gated PEFT model with non-zero adapters, its lean twin (same weights), and the adapter-free base."""
+    ar = tiny_ar_model("llama", vocab_size=VOCAB, seed=seed)
+    base = tidar_base_for_adapter(ar, block_size=BLOCK).eval()
+    models = []
+    for _ in range(2):
+        torch.manual_seed(seed + 1)  # both twins get the same adapter weights
+        peft = get_gated_lora_model(tidar_base_for_adapter(ar, block_size=BLOCK), gated_lora_config(rank=4))
+        for name, param in peft.named_parameters():
+            if "lora_B" in name or "lora_embedding_A" in name:
+                param.data.normal_(0, 0.5)  # PEFT starts B at zero: make the adapter do something
+        models.append(peft.eval())
+    lean = to_lean(models[1]).eval()
+    return models[0].to(dtype), lean.to(dtype), base.to(dtype)
+
+
+def _doubled(ids, mask_id):
+    return torch.cat([ids, torch.full_like(ids, mask_id)], dim=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mask_rows_match_peft_and_clean_rows_are_the_base_models(dtype):
+    peft, lean, base = _gated_pair(dtype)
+    ids = counting_batch(3, 10, VOCAB, torch.Generator().manual_seed(1))
+    attention = torch.ones_like(ids)
+    attention[1, :3] = 0  # a left-padded row
+    x = _doubled(ids, lean.config.mask_token_id)
+    layout = tidar_training_layout(attention, BLOCK)
+    with torch.no_grad():
+        want = peft.base_model.model.structured_hidden_states(x, layout)
+        got = lean.structured_hidden_states(x, layout)
+        found = lean.structured_hidden_states(x, layout, mask_tail_start=ids.shape[1])
+        clean = base.structured_hidden_states(x, layout)
+    assert torch.equal(got, found)
+    assert torch.equal(got[:, : ids.shape[1]], clean[:, : ids.shape[1]])  # bit for bit
+    masks = slice(ids.shape[1], None)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[:, masks], want[:, masks], rtol=1e-4, atol=1e-5)
+    # bf16 rounds the LoRA product in another order: the gap must be small next to the adapter's effect.
+    gap = (got[:, masks].float() - want[:, masks].float()).norm()
+    effect = (want[:, masks].float() - clean[:, masks].float()).norm()
+    assert gap < 0.05 * effect
+
+
+@pytest.mark.parametrize("draft_length,groups", [(4, None), (3, [1]), (2, None), (4, [1, 3])])
+@pytest.mark.parametrize("measured", [False, True])
+def test_tidar_generate_is_the_same_with_lean_and_peft_adapters(draft_length, groups, measured, tmp_path, monkeypatch):
+    peft, lean, base = _gated_pair(torch.float64)
+    if measured:
+        monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+        monkeypatch.setattr(cpu_linear, "COLD_BYTES", 1 << 16)  # a short profile
+        lean = cpu.enable(lean.float())
+        peft = peft.float()
+    prompts = counting_batch(2, 7, VOCAB, torch.Generator().manual_seed(2))
+    attention = torch.ones_like(prompts)
+    attention[0, :2] = 0
+    settings = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=attention,
+                    strategy="tidar", draft_length=draft_length, draft_groups=groups, return_dict_in_generate=True)
+    with torch.no_grad():
+        want = peft.generate(prompts, **settings)
+        got = lean.generate(prompts, **settings)
+        ar = lean.generate(prompts, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                           attention_mask=attention)
+    assert torch.equal(got.sequences, ar)
+    assert got.accepted_lengths == want.accepted_lengths  # the same drafts were proposed and accepted
+    if not measured:
+        assert torch.equal(got.sequences, want.sequences)
+
+
+def test_lean_form_is_plain_tidar_model_with_base_state_dict():
+    peft, lean, base = _gated_pair(torch.float32)
+    assert is_lean(lean) and not hasattr(lean, "peft_config")
+    assert isinstance(lean.model.layers[0].self_attn.q_proj, TailLoraLinear)
+    assert lean.state_dict().keys() == base.state_dict().keys()
+    lean.to(torch.bfloat16)  # the adapter factors follow the model's dtype
+    assert lean.model.layers[0].self_attn.q_proj.lora_a.dtype == torch.bfloat16
+
+
+def test_mask_token_outside_the_tail_is_refused():
+    _, lean, _ = _gated_pair(torch.float32)
+    ids = torch.tensor([[1, 2, lean.config.mask_token_id, 3]])
+    with pytest.raises(ValueError, match="tail of the query"):
+        with torch.no_grad():
+            lean(input_ids=ids)
