@@ -150,3 +150,48 @@ def test_export_from_a_trainer_checkpoint_keeps_only_the_adapter(tmp_path):
         torch.testing.assert_close(loaded(input_ids=torch.cat([prompt, masks], 1)).logits,
                                    model(input_ids=torch.cat([prompt, masks], 1)).logits.to(torch.float64),
                                    atol=1e-2, rtol=1e-2)  # fp16-stored adapter: close to the trained one
+
+
+# Options a gate on lora_A's output can't cover: each acts on clean tokens too (or, for DoRA, not through lora_A).
+UNGATEABLE = [
+    (dict(lora_bias=True), "lora_bias"),
+    (dict(use_dora=True), "use_dora"),
+    (dict(bias="all"), "bias='none'"),
+]
+
+
+def _save_adapter_past_the_creation_checks(folder, **options):
+    """An adapter folder laid out like save_gated_lora's, made with plain PEFT and ``options``; returns its AR base."""
+    from peft import LoraConfig, get_peft_model
+
+    ar = tiny_ar_model("llama", vocab_size=VOCAB)
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **options)  # PEFT has no lora_bias on embeddings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = get_peft_model(tidar_base_for_adapter(ar, block_size=BLOCK), config)
+    with torch.no_grad():  # a trained adapter: every delta (lora_B, its bias, DoRA's magnitude) non-zero
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.add_(torch.randn_like(parameter) * 0.1)
+    save_gated_lora(model, folder)
+    return ar
+
+
+@pytest.mark.parametrize("options,message", UNGATEABLE)
+def test_load_refuses_adapters_the_gate_cannot_cover(tmp_path, options, message):
+    ar = _save_adapter_past_the_creation_checks(tmp_path, **options)
+    with pytest.raises(ValueError, match=f"gated LoRA.*{message}"):
+        load_tidar_adapter(ar, tmp_path)
+
+
+@pytest.mark.parametrize("options,message", UNGATEABLE + [
+    (dict(init_lora_weights="pissa"), "init_lora_weights"),
+    (dict(target_parameters=["mlp.up_proj.weight"]), "target_parameters"),
+])
+def test_creation_refuses_the_same_options(options, message):
+    config = gated_lora_config(rank=4)
+    for name, value in options.items():
+        setattr(config, name, value)
+    base = tidar_base_for_adapter(tiny_ar_model("llama", vocab_size=VOCAB), block_size=BLOCK)
+    with pytest.raises(ValueError, match=f"gated LoRA.*{message}"):
+        get_gated_lora_model(base, config)

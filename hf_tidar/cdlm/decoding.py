@@ -22,6 +22,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from ..cache import DraftCache
 from ..generation.outputs import StrategyGenerateOutput
+from ..generation.processors import refuse_stateful
 
 
 class BlockDecoder:
@@ -214,6 +215,7 @@ def dlm_decode(
     ``threshold=None``: vanilla masked diffusion, one token per pass, the most confident first (the
     baseline CDLM is measured against). A float: Fast-dLLM's confidence-threshold parallel decoding.
     """
+    refuse_stateful(logits_processor, "dlm")
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     decoder, pad = _decoder(model, input_ids, logits_processor, generation_config, threshold, block_size)
@@ -242,6 +244,7 @@ def cdlm_decode(
     finished, whose KV is then kept). Everything after the committed prefix is dropped from the cache
     after the pass, so finished blocks are computed exactly once.
     """
+    refuse_stateful(logits_processor, "cdlm")
     attention_mask = model_kwargs.get("attention_mask")
     attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     decoder, pad = _decoder(model, input_ids, logits_processor, generation_config, threshold, block_size)

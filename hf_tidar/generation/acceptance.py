@@ -11,51 +11,28 @@ decoding is the limit where ``p`` and ``q`` are one-hot: accept iff ``argmax p =
 from __future__ import annotations
 
 import torch
-from transformers import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    LogitsProcessorList,
-    MinPLogitsWarper,
-    SuppressTokensLogitsProcessor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
-from transformers.generation.logits_process import InfNanRemoveLogitsProcessor
+from transformers import LogitsProcessorList
 
-from .processors import MaskTokenSuppressor
-
-#: processors whose output does not depend on ``input_ids``: they can run on many positions at once
-POSITION_FREE = (
-    MaskTokenSuppressor,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    SuppressTokensLogitsProcessor,
-    InfNanRemoveLogitsProcessor,
-)
+from .processors import POSITION_FREE, row_view
 
 
 class Scorer:
-    """Applies the logits processors exactly as AR decoding would at each position.
+    """Applies the logits processors exactly as AR decoding would at each position of each row.
 
     Position-dependent processors (repetition penalty, n-gram bans, min length, ...) are called once
     per position with that position's exact prefix; when every processor is position-free, many
-    positions are processed in one call.
+    positions are processed in one call. A row is scored alone (``[1, length]``), so processors that hold
+    per-row data see only that row's (:func:`.processors.row_view`).
     """
 
-    def __init__(self, processors: LogitsProcessorList):
+    def __init__(self, processors: LogitsProcessorList, rows: int):
         self.processors = processors
         self.position_free = all(isinstance(p, POSITION_FREE) for p in processors)
+        self.per_row = [LogitsProcessorList(row_view(p, row, rows) for p in processors) for row in range(rows)]
 
-    def one(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Scores ``[V]`` of one position whose prefix is ``prefix`` (``[1, length]``)."""
-        return self.processors(prefix, logits.float()[None])[0]
+    def one(self, row: int, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Scores ``[V]`` of batch row ``row`` at the position after ``prefix`` (``[1, length]``)."""
+        return self.per_row[row](prefix, logits.float()[None])[0]
 
     def many(self, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Scores ``[n, V]`` of ``n`` consecutive positions, the first one after ``prefix``.
@@ -75,14 +52,16 @@ def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(-1)
 
 
-def mix_verifier(ar_scores: torch.Tensor, draft_scores: torch.Tensor | None, weight: float) -> torch.Tensor:
+def mix_verifier(ar_scores: torch.Tensor, diffusion_scores: torch.Tensor | None, weight: float) -> torch.Tensor:
     """The paper's mixed verifier ``weight * AR + (1 - weight) * diffusion`` in log-probability space.
 
-    ``weight == 1`` is the exact AR verifier. Positions without a diffusion prediction use AR alone.
+    Both terms must predict the same position from the same prefix: the AR scores at the token before it,
+    and the diffusion scores of the first slot of the mask group that sees exactly that prefix (in a TiDAR
+    pass, group ``i`` for position ``p + i``). ``weight == 1`` (or no diffusion term) is the exact AR verifier.
     """
-    if weight == 1.0 or draft_scores is None:
+    if weight == 1.0 or diffusion_scores is None:
         return ar_scores
-    mixed = weight * torch.log_softmax(ar_scores, -1) + (1 - weight) * torch.log_softmax(draft_scores, -1)
+    mixed = weight * torch.log_softmax(ar_scores, -1) + (1 - weight) * torch.log_softmax(diffusion_scores, -1)
     return torch.nan_to_num(mixed, nan=float("-inf"))
 
 

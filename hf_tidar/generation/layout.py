@@ -68,6 +68,18 @@ class DraftLayout:
             rows += range(start + 1, start + self.draft_len)
         return tuple(rows)
 
+    @property
+    def first_slot_rows(self) -> tuple[int, ...]:
+        """Query index of each group's first slot, in group order: group ``j``'s diffusion prediction of
+        position ``p + j`` given exactly ``d_0 .. d_{j-1}`` — the mixed verifier's second term there. Only a
+        mixed verifier projects them (after :attr:`projected_rows`)."""
+        return tuple(self.group_start(group) for group in self.groups)
+
+    @property
+    def has_every_group(self) -> bool:
+        """Whether groups ``1 .. k`` are all computed (every verified position has its group)."""
+        return self.groups == tuple(range(1, self.draft_len + 1))
+
     def projected_slot_start(self, group: int) -> int:
         """Index, among :attr:`projected_rows`, of ``group``'s second slot (its first projected one)."""
         return self.draft_len + self.groups.index(group) * (self.draft_len - 1)

@@ -69,6 +69,8 @@ class StrategyGenerationMixin:
         input_ids = inputs if inputs is not None else kwargs.get("input_ids")
         self._check_prompt_fits(input_ids)
         self.require_mask_token_id()
+        if strategy in (DEFAULT_STRATEGY, "tidar"):
+            self._check_prompt_has_no_mask(input_ids)
 
         if input_ids is not None and input_ids.shape[0] == 1 and kwargs.get("attention_mask") is None:
             # One row has no padding. Without this, transformers would infer padding wherever the
@@ -148,6 +150,17 @@ class StrategyGenerationMixin:
                 "shorten (truncate) the prompt so that it leaves room for new tokens."
             )
 
+    def _check_prompt_has_no_mask(self, input_ids: torch.Tensor | None) -> None:
+        """Refuse a prompt holding ``[MASK]``: TiDAR's drafts need it, and a gated adapter acts on it (even under
+        ``strategy="ar"``, where it would change a real token's logits)."""
+        mask_id = self.config.mask_token_id
+        if input_ids is not None and bool((input_ids == mask_id).any()):
+            raise ValueError(
+                f"The prompt contains the [MASK] token (id {mask_id}), which TiDAR reserves for its draft slots; a "
+                "gated adapter acts on it, so not even strategy='ar' would give the base model's output there. "
+                "Remove it from the prompt (or convert the model with a mask_token_id that text never uses)."
+            )
+
     def _check_strategy_options(self, strategy: str, generation_config, input_ids, kwargs: dict) -> None:
         config, _ = self._prepare_generation_config(generation_config, **dict(kwargs))
         mode = config.get_generation_mode(kwargs.get("assistant_model"))
@@ -160,12 +173,6 @@ class StrategyGenerationMixin:
             )
         if kwargs.get("inputs_embeds") is not None:
             raise ValueError(f"strategy={strategy!r} needs input_ids (it appends [MASK] tokens); got inputs_embeds.")
-        mask_id = self.config.mask_token_id
-        if strategy == "tidar" and input_ids is not None and bool((input_ids == mask_id).any()):
-            raise ValueError(
-                f"The prompt contains the [MASK] token (id {mask_id}), which TiDAR reserves for its draft slots. "
-                "Remove it from the prompt (or convert the model with a mask_token_id that text never uses)."
-            )
         if config.output_attentions or config.output_hidden_states:
             raise ValueError(
                 f"strategy={strategy!r} cannot return attentions or hidden states (its forward passes mix "

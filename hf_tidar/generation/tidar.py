@@ -32,15 +32,21 @@ from .acceptance import Scorer, accept_draft, choose, mix_verifier
 from .auto_layout import AutoLayout
 from .layout import DraftLayout
 from .outputs import StrategyGenerateOutput
+from .processors import refuse_stateful
 
 #: squeeze holes out of a batched cache once it is this much longer than its longest row
 COMPACTION_SLACK = 64
+MIXED_NEEDS_EVERY_GROUP = (
+    "verifier_weight < 1 needs every pre-draft group: the diffusion term at position p+i is the first slot of "
+    "group i. Omit draft_groups and draft_layout."
+)
 
 
 @dataclass
 class Row:
     """One sequence of the batch: its tokens so far and what TiDAR did for it."""
 
+    index: int  # its row in the batch (what per-row logits processors are indexed by)
     ids: torch.Tensor  # [1, capacity] token buffer; ids[:, :length] is the sequence so far
     length: int
     scores: list[torch.Tensor] = field(default_factory=list)
@@ -69,12 +75,13 @@ class TidarDecoder:
                  streamer, layout: DraftLayout | AutoLayout, verifier_weight: float):
         self.model = model
         self.mask_id = model.require_mask_token_id()
-        self.scorer = Scorer(logits_processor)
+        self.scorer = Scorer(logits_processor, input_ids.shape[0])
         self.stopping_criteria = stopping_criteria
         self.config = generation_config
         self.do_sample = bool(generation_config.do_sample)
         self.streamer = streamer
         self.verifier_weight = verifier_weight
+        self.mixed = verifier_weight != 1.0  # then each group's first slot is projected too (the diffusion term)
         self.auto = layout if isinstance(layout, AutoLayout) else None
         self.layout = self.auto.choose() if self.auto else layout
         self.step_masks: dict[DraftLayout, DecodeStepMasks] = {}
@@ -86,7 +93,8 @@ class TidarDecoder:
         self.device = input_ids.device
         self.attention_mask = attention_mask
         capacity = max(int(generation_config.max_length or 0), input_ids.shape[1]) + model.config.block_size + 1
-        self.rows = [Row(ids=self._buffer(row, capacity), length=input_ids.shape[1]) for row in input_ids]
+        length = input_ids.shape[1]
+        self.rows = [Row(index, self._buffer(row, capacity), length) for index, row in enumerate(input_ids)]
         self.cache = DraftCache(config=model.config.get_text_config())
 
     def _buffer(self, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -122,7 +130,7 @@ class TidarDecoder:
         # Position-dependent processors: each slot is processed with the drafts before it appended.
         prefix = row.sequence
         for logits in slot_logits:
-            scores = self.scorer.one(prefix, logits)
+            scores = self.scorer.one(row.index, prefix, logits)
             token = int(choose(scores, self.do_sample))
             tokens.append(token)
             rows_scores.append(scores)
@@ -137,8 +145,13 @@ class TidarDecoder:
 
     # -- verification ---------------------------------------------------------------------------------
 
-    def verify(self, row: Row, drafts: Drafts, ar_logits: torch.Tensor) -> int:
-        """Verify one row's drafts against its AR logits ``[k, V]``; emit tokens; return tokens emitted."""
+    def verify(self, row: Row, drafts: Drafts, ar_logits: torch.Tensor,
+               first_slots: torch.Tensor | None = None) -> int:
+        """Verify one row's drafts against its AR logits ``[k, V]``; emit tokens; return tokens emitted.
+
+        ``first_slots`` ``[k, V]``: group ``i``'s first-slot logits at row ``i - 1``, the mixed verifier's
+        diffusion term for position ``p + i`` (``None``: the exact AR verifier).
+        """
         start = row.length
         m = len(drafts.tokens)
         fast = self.scorer.position_free and self.verifier_weight == 1.0 and not self.do_sample
@@ -150,14 +163,14 @@ class TidarDecoder:
             if fast:
                 scores = ar_scores[accepted - 1]
             else:
-                scores = self.scorer.one(row.sequence, ar_logits[accepted - 1])
+                scores = self.scorer.one(row.index, row.sequence, ar_logits[accepted - 1])
             raw = ar_logits[accepted - 1]
+            diffusion = None if first_slots is None else self._diffusion_scores(row, first_slots[accepted - 1])
+            target = mix_verifier(scores, diffusion, self.verifier_weight)
             if accepted == m:  # every draft accepted: the bonus token comes from the target alone
-                target = mix_verifier(scores, None, self.verifier_weight)
                 self.emit(row, int(choose(target, self.do_sample)), scores, raw)
                 break
             draft_scores = drafts.scores[accepted]
-            target = mix_verifier(scores, draft_scores, self.verifier_weight)
             if fast:
                 ok, replacement = best[accepted - 1] == drafts.tokens[accepted], best[accepted - 1]
             else:
@@ -168,6 +181,11 @@ class TidarDecoder:
             self.emit(row, drafts.tokens[accepted], scores, raw)
             accepted += 1
         return row.length - start
+
+    def _diffusion_scores(self, row: Row, first_slot: torch.Tensor) -> torch.Tensor:
+        """Processed scores of a group's first slot whose group sees exactly ``row.sequence``: the diffusion
+        prediction of the very position the AR logit at the last token predicts."""
+        return self.scorer.one(row.index, row.sequence, self.slot_logits(first_slot))
 
     # -- the passes -----------------------------------------------------------------------------------
 
@@ -182,12 +200,15 @@ class TidarDecoder:
         self.cache.keep_first(prompt_len)
         # One LM-head call: the last prompt position (AR) and the group's slots after its first (drafts).
         rows = [prompt_len - 1, *range(prompt_len + 1, prompt_len + k)]
+        if self.mixed:  # the group's first slot predicts the first token from the prompt: the diffusion term
+            rows.append(prompt_len)
         logits = self.model.vocab_logits(hidden[:, rows]).float()
-        ar_logits, slots = logits[:, 0], self.slot_logits(logits[:, 1:])
+        ar_logits, slots = logits[:, 0], self.slot_logits(logits[:, 1:k])
         all_drafts = []
         for index, row in enumerate(self.rows):
-            scores = self.scorer.one(row.sequence, ar_logits[index])
-            first = int(choose(scores, self.do_sample))
+            scores = self.scorer.one(row.index, row.sequence, ar_logits[index])
+            diffusion = self._diffusion_scores(row, logits[index, k]) if self.mixed else None
+            first = int(choose(mix_verifier(scores, diffusion, self.verifier_weight), self.do_sample))
             self.emit(row, first, scores, ar_logits[index])
             all_drafts.append(self.draft(row, first, slots[index]))
         return all_drafts
@@ -196,16 +217,19 @@ class TidarDecoder:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
         hidden = self._forward(drafts, state)
         logits = self.model.vocab_logits(hidden[:, self._projected_index()]).float()
-        emitted = self._verify_rows(active, drafts, logits[:, : self.layout.draft_len])
+        first_slots = logits[:, len(self.layout.projected_rows) :] if self.mixed else None
+        emitted = self._verify_rows(active, drafts, logits[:, : self.layout.draft_len], first_slots)
         most = max(emitted)
         self.cache.keep_first(state.length + most)  # the accepted drafts' KV; the rest of the pass goes
         state.commit(torch.tensor(emitted, device=self.device), most)
         return self._next_drafts(active, emitted, logits)
 
     def _projected_index(self) -> torch.Tensor:
-        """The layout's projected rows as a device tensor, made once per layout."""
+        """The layout's projected rows (then, for a mixed verifier, its groups' first slots) as a device
+        tensor, made once per layout."""
         if self.layout not in self.projected_index:
-            self.projected_index[self.layout] = torch.tensor(self.layout.projected_rows, device=self.device)
+            rows = self.layout.projected_rows + (self.layout.first_slot_rows if self.mixed else ())
+            self.projected_index[self.layout] = torch.tensor(rows, device=self.device)
         return self.projected_index[self.layout]
 
     def _forward(self, drafts: list[Drafts], state: DecodeMaskState) -> torch.Tensor:
@@ -225,12 +249,15 @@ class TidarDecoder:
             mask_tail_start=k,
         )
 
-    def _verify_rows(self, active: list[int], drafts: list[Drafts], ar_logits: torch.Tensor) -> list[int]:
-        """Verify each active row's drafts against its AR logits ``[batch, k, V]``; returns tokens emitted."""
+    def _verify_rows(self, active: list[int], drafts: list[Drafts], ar_logits: torch.Tensor,
+                     first_slots: torch.Tensor | None) -> list[int]:
+        """Verify each active row's drafts against its AR logits ``[batch, k, V]`` (and, for a mixed verifier,
+        its groups' first slots ``[batch, k, V]``); returns tokens emitted."""
         emitted = []
         for index, row_id in enumerate(active):
             row = self.rows[row_id]
-            count = self.verify(row, drafts[index], ar_logits[index])
+            row_slots = None if first_slots is None else first_slots[index]
+            count = self.verify(row, drafts[index], ar_logits[index], row_slots)
             row.accepted.append(count)
             emitted.append(count)
             if self.auto and not row.finished:  # a stop cuts a pass short: not a rejection
@@ -326,6 +353,8 @@ class TidarDecoder:
             sequences[index, : row.length] = row.sequence[0]
         if not self.config.return_dict_in_generate:
             return sequences
+        if self.keep_scores or self.keep_logits:
+            self._score_stopped_rows(sequences)
         k_max = max([self.model.config.block_size, *(n for row in self.rows for n in row.accepted)])
         histogram = torch.zeros(len(self.rows), k_max + 1, dtype=torch.long)
         for index, row in enumerate(self.rows):
@@ -341,11 +370,35 @@ class TidarDecoder:
         )
 
     def _per_step(self, name: str, steps: int) -> tuple[torch.Tensor, ...]:
-        """Per generated position ``[batch, V]`` tensors; rows that had already stopped get zeros."""
+        """Per generated position ``[batch, V]`` tensors (every row has one per step, see ``_score_stopped_rows``)."""
         per_row = [getattr(row, name) for row in self.rows]
-        vocab = next(t.shape[-1] for rows in per_row for t in rows)
-        zeros = torch.zeros(vocab, device=self.device)
-        return tuple(torch.stack([r[t] if t < len(r) else zeros for r in per_row]) for t in range(steps))
+        return tuple(torch.stack([r[t] for r in per_row]) for t in range(steps))
+
+    def _score_stopped_rows(self, sequences: torch.Tensor) -> None:
+        """Scores and logits of the steps after a row stopped, as transformers reports them.
+
+        transformers' batched loop keeps running a stopped row until the whole batch stops, appending pad
+        tokens, and returns that row's real scores for those steps. One causal forward over the stopped rows
+        (right-padded as in ``sequences``) gives the same logits; TiDAR itself never computed them.
+        """
+        stopped = [row for row in self.rows if row.length < sequences.shape[1]]
+        if not stopped:
+            return
+        indices = [row.index for row in stopped]
+        ids = sequences[indices, :-1]  # the last step's logits come from the token before it
+        prompt_mask = self.attention_mask[indices].long()
+        valid = torch.cat([prompt_mask, prompt_mask.new_ones(len(indices), ids.shape[1] - prompt_mask.shape[1])], 1)
+        position_ids = (valid.cumsum(-1) - 1).clamp_min(0)  # as transformers numbers left-padded rows
+        hidden = self.model.model(input_ids=ids, attention_mask=valid, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state
+        for index, row in enumerate(stopped):
+            logits = self.model.vocab_logits(hidden[index, row.length - 1 :]).float()
+            for offset, raw in enumerate(logits):
+                scores = self.scorer.one(row.index, ids[index : index + 1, : row.length + offset], raw)
+                if self.keep_scores:
+                    row.scores.append(scores)
+                if self.keep_logits:
+                    row.logits.append(raw.clone())
 
 
 def tidar_decode(
@@ -369,10 +422,18 @@ def tidar_decode(
         draft_layout: ``"auto"`` picks ``(k, groups)`` from this hardware's measured forward cost and the
             running acceptance statistics (see :mod:`.auto_layout`).
         verifier_weight: ``beta`` of the mixed verifier in ``[0, 1]``; 1 (default) is exact AR verification.
+            Below 1, position ``p + i`` is verified against ``beta * AR + (1 - beta) * diffusion``, the
+            diffusion term being group ``i``'s first slot of the same pass (so every group must be computed).
     """
-    layout = resolve_layout(model, draft_length, draft_groups, draft_layout)
+    refuse_stateful(logits_processor, "tidar")
     if not 0.0 <= verifier_weight <= 1.0:
         raise ValueError(f"verifier_weight must be in [0, 1] (1 = exact AR verification), got {verifier_weight}.")
+    # Checked before resolving the layout: "auto" would profile the hardware first.
+    if verifier_weight != 1.0 and draft_layout is not None:
+        raise ValueError(MIXED_NEEDS_EVERY_GROUP)
+    layout = resolve_layout(model, draft_length, draft_groups, draft_layout)
+    if verifier_weight != 1.0 and not layout.has_every_group:
+        raise ValueError(MIXED_NEEDS_EVERY_GROUP)
     if verifier_weight != 1.0:
         warnings.warn(
             f"verifier_weight={verifier_weight} mixes the diffusion drafts into verification: the output is no "

@@ -28,6 +28,7 @@ included, which changes the AR path. :func:`load_gated_lora` re-installs the gat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import warnings
@@ -48,6 +49,9 @@ ARCHITECTURE_KEYS = (
     "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
     "rope_theta", "rope_parameters", "rms_norm_eps", "tie_word_embeddings", "hidden_act",
 )
+# LoRA initialisations that leave the base weights alone (PiSSA, OLoRA, CorDA, LoftQ and LoRA-GA rewrite them,
+# so the clean path would no longer be the checkpoint's; MiCA is a LoRA variant).
+BASE_PRESERVING_INITS = (True, False, "gaussian", "orthogonal", "eva")
 
 
 @dataclass
@@ -176,18 +180,7 @@ def get_gated_lora_model(tidar_model: nn.Module, lora_config=None, adapter_name:
     from peft import get_peft_model
 
     config = lora_config if lora_config is not None else gated_lora_config()
-    targets = config.target_modules
-    if isinstance(targets, str) or "lm_head" in (targets or ()):
-        raise ValueError("gated LoRA targets must be a list without lm_head: lm_head reads clean hidden states "
-                         "and must stay the base model's for the AR path to stay exact.")
-    if getattr(config, "modules_to_save", None) or getattr(config, "trainable_token_indices", None):
-        raise ValueError("gated LoRA can't train modules_to_save or trainable_token_indices: those weights would act "
-                         "on clean tokens too. The [MASK] embedding is trained by the gated embedding LoRA.")
-    for name in ("use_dora", "lora_bias"):
-        if getattr(config, name, False):
-            raise ValueError(f"gated LoRA supports plain LoRA only; set {name}=False.")
-    if getattr(config, "alora_invocation_tokens", None):
-        raise ValueError("gated LoRA gates by itself; don't set alora_invocation_tokens.")
+    check_gated_lora_config(config)
     tidar_model.require_mask_token_id()
     tidar_model.config.ar_loss_weight = 0.0
     with warnings.catch_warnings():
@@ -196,6 +189,54 @@ def get_gated_lora_model(tidar_model: nn.Module, lora_config=None, adapter_name:
         peft_model = get_peft_model(tidar_model, config, adapter_name=adapter_name)
     install_mask_gate(peft_model)
     return peft_model
+
+
+def check_gated_lora_config(config, source: str = "") -> None:
+    """Raise a ``ValueError`` unless ``config`` is plain LoRA whose every delta the mask gate can switch off.
+
+    The gate zeroes ``lora_A``'s output at clean tokens, so anything else an adapter changes would act on
+    clean tokens too and make the AR path differ from the base checkpoint. Applied when an adapter is
+    created (:func:`get_gated_lora_model`) and before one is loaded (:func:`load_gated_lora`; ``source``
+    names the folder in the message).
+    """
+    where = f" ({source})" if source else ""
+    peft_type = getattr(config, "peft_type", None)  # a str enum: PeftType.LORA == "LORA"
+    if peft_type is not None and peft_type != "LORA":
+        raise ValueError(f"gated LoRA{where} needs a LoRA adapter, got peft_type={peft_type!r}.")
+    targets = config.target_modules
+    if isinstance(targets, str) or "lm_head" in (targets or ()):
+        raise ValueError(f"gated LoRA{where} targets must be a list without lm_head: lm_head reads clean hidden "
+                         "states and must stay the base model's for the AR path to stay exact.")
+    if getattr(config, "modules_to_save", None) or getattr(config, "trainable_token_indices", None):
+        raise ValueError(f"gated LoRA{where} can't train modules_to_save or trainable_token_indices: those weights "
+                         "would act on clean tokens too. The [MASK] embedding is trained by the gated embedding LoRA.")
+    if getattr(config, "bias", "none") != "none":
+        raise ValueError(f"gated LoRA{where} can't train the base layers' biases (bias={config.bias!r}): they act on "
+                         "clean tokens too; set bias='none'.")
+    if getattr(config, "alora_invocation_tokens", None):
+        raise ValueError(f"gated LoRA{where} gates by itself; don't set alora_invocation_tokens.")
+    # PEFT tags every LoRA variant (DoRA, ...) in its config's field metadata; lora_bias adds an ungated bias.
+    variants = [f.name for f in dataclasses.fields(config) if f.metadata.get("is_lora_variant")]
+    for name in ("lora_bias", *variants, "use_qalora", "target_parameters", "layer_replication"):
+        if getattr(config, name, None):
+            raise ValueError(f"gated LoRA{where} supports plain LoRA only; unset {name} (it is "
+                             f"{getattr(config, name)!r}).")
+    if getattr(config, "init_lora_weights", True) not in BASE_PRESERVING_INITS:
+        raise ValueError(f"gated LoRA{where} needs an initialisation that leaves the base weights alone (one of "
+                         f"{BASE_PRESERVING_INITS}); init_lora_weights={config.init_lora_weights!r} rewrites them.")
+
+
+def saved_lora_config(folder: str | os.PathLike):
+    """The ``LoraConfig`` in an adapter folder's ``adapter_config.json``, read without loading any weights."""
+    from peft import LoraConfig
+
+    path = Path(folder) / "adapter_config.json"
+    if not path.exists():
+        raise ValueError(f"{folder} holds no adapter_config.json: it is not a saved adapter.")
+    peft_type = json.loads(path.read_text()).get("peft_type")
+    if peft_type != "LORA":
+        raise ValueError(f"gated LoRA ({folder}) needs a LoRA adapter, got peft_type={peft_type!r}.")
+    return LoraConfig.from_pretrained(str(folder))
 
 
 def architecture_of(tidar_model: nn.Module) -> dict:
@@ -259,11 +300,13 @@ def load_gated_lora(tidar_model: nn.Module, folder: str | os.PathLike, is_traina
     The model's ``block_size`` is set to the adapter's (the drafts were trained for it).
 
     Raises:
-        ValueError: the folder holds no gated adapter, or the base model differs from the adapter's.
+        ValueError: the folder holds no gated adapter, its config has an option the gate can't cover (the
+            rules of :func:`check_gated_lora_config`), or the base model differs from the adapter's.
     """
     from peft import PeftModel
 
     info = read_gate_info(folder)
+    check_gated_lora_config(saved_lora_config(folder), str(folder))
     check_base_matches(tidar_model, info, folder)
     tidar_model.config.block_size = int(info["block_size"])
     tidar_model.config.ar_loss_weight = 0.0
@@ -337,6 +380,7 @@ def export_gated_adapter(checkpoint: str | os.PathLike, base_tidar: nn.Module, o
     from peft import PeftModel
     from safetensors.torch import load_file, save_file
 
+    check_gated_lora_config(saved_lora_config(checkpoint), str(checkpoint))
     peft_model = PeftModel.from_pretrained(base_tidar, str(checkpoint))
     install_mask_gate(peft_model)
     save_gated_lora(peft_model, output)
