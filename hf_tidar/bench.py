@@ -141,6 +141,8 @@ class BenchConfig:
     prompts: list[Prompt] = field(default_factory=list)
     threads: int | None = None
     seed: int = 0
+    cpu_linears: bool = False  # the measured CPU linear path (hf_tidar.cpu) on every model, stock AR kept as a row
+    draft_sources: list[str] = field(default_factory=lambda: ["diffusion"])
 
     def validate(self) -> None:
         """Raise a ``ValueError`` that says what to change."""
@@ -170,6 +172,7 @@ class Models:
     main: torch.nn.Module
     tokenizer: object
     ar_baseline: torch.nn.Module | None = None  # the untouched AR checkpoint, when main carries an adapter
+    stock_baseline: torch.nn.Module | None = None  # the baseline with stock linears, under --cpu-linears
     assistant: torch.nn.Module | None = None
     dlm_teacher: torch.nn.Module | None = None
     cdlm_student: torch.nn.Module | None = None
@@ -196,7 +199,7 @@ def load_models(config: BenchConfig) -> Models:
 
         ar_baseline, tokenizer = load_smollm2(quiet=True)
         adapter = SHIPPED_ADAPTER if config.adapter == "shipped" else Path(config.adapter)
-        main = load_tidar_adapter(ar_baseline, adapter, tokenizer=tokenizer)
+        main = load_tidar_adapter(ar_baseline, adapter, tokenizer=tokenizer, lean=True)
         description = f"SmolLM2-135M-Instruct + gated TiDAR adapter ({adapter.name})"
     elif config.model == "smollm2":
         from .checkpoints import load_smollm2
@@ -224,7 +227,22 @@ def load_models(config: BenchConfig) -> Models:
     for name in ("dlm_teacher", "cdlm_student"):
         if getattr(config, name):
             setattr(models, name, _load_diffusion(getattr(config, name), tokenizer).to(device=device, dtype=dtype).eval())
+    if config.cpu_linears:
+        _use_measured_linears(models)
     return models
+
+
+def _use_measured_linears(models: Models) -> None:
+    """Every model on the measured CPU linear path; a stock-linear copy of the baseline stays for its own row."""
+    import copy
+
+    from . import cpu
+
+    models.stock_baseline = copy.deepcopy(models.baseline)
+    for name in ("main", "ar_baseline", "assistant", "dlm_teacher", "cdlm_student"):
+        model = getattr(models, name)
+        if model is not None:
+            cpu.enable(model)
 
 
 def _backbone(model: torch.nn.Module) -> torch.nn.Module:
@@ -346,7 +364,10 @@ def register_method(name: str) -> Callable[[MethodBuilder], MethodBuilder]:
 
 @register_method("ar")
 def _ar_methods(config: BenchConfig, models: Models) -> list[Method]:
-    return [Method("ar", "ar", "baseline", {"strategy": "ar"})]
+    methods = [Method("ar", "ar", "baseline", {"strategy": "ar"})]
+    if models.stock_baseline is not None:  # under --cpu-linears "ar" is on the measured path; this is plain HF
+        methods.append(Method("ar-stock-linears", "ar", "stock_baseline", {"strategy": "ar"}))
+    return methods
 
 
 @register_method("prompt_lookup")
@@ -366,11 +387,15 @@ def _assisted_methods(config: BenchConfig, models: Models) -> list[Method]:
 
 @register_method("tidar")
 def _tidar_methods(config: BenchConfig, models: Models) -> list[Method]:
-    methods = [Method(f"tidar-k{k}", "tidar", "main", {"strategy": "tidar", "draft_length": k}, draft_length=k,
-                      layout="full") for k in sorted(set(config.draft_lengths))]
-    if config.auto_layout:
-        methods.append(Method("tidar-auto", "tidar", "main", {"strategy": "tidar", "draft_layout": "auto"},
-                              layout="auto"))
+    methods = []
+    for source in config.draft_sources:
+        suffix = "" if source == "diffusion" else f"-{source.replace('_', '-')}"
+        extra = {} if source == "diffusion" else {"draft_source": source}
+        methods += [Method(f"tidar-k{k}{suffix}", "tidar", "main", {"strategy": "tidar", "draft_length": k, **extra},
+                           draft_length=k, layout="full") for k in sorted(set(config.draft_lengths))]
+        if config.auto_layout:
+            methods.append(Method(f"tidar-auto{suffix}", "tidar", "main",
+                                  {"strategy": "tidar", "draft_layout": "auto", **extra}, layout="auto"))
     return methods
 
 

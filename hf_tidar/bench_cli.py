@@ -15,6 +15,7 @@ from .bench import (
     load_prompt_set,
     read_prompts_file,
 )
+from .generation.drafters import DRAFT_SOURCES
 
 QUICK = {"per_set": 1, "max_new_tokens": 8, "draft_length": [2, 3], "batch_size": [1, 2], "sampling": "both",
          "repeats": 1, "threads": 1}
@@ -59,6 +60,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="shipped prompt sets to use (default: all)")
     parser.add_argument("--per-set", type=int, default=None, help="prompts taken from each set (default: 3)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cpu-linears", action="store_true",
+                        help="run every model on the measured CPU linear path (hf_tidar.cpu); adds an ar-stock-linears row")
+    parser.add_argument("--draft-source", nargs="+", default=["diffusion"], choices=DRAFT_SOURCES,
+                        help="TiDAR draft sources to run (one row set each)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="re-render tables and plots of an earlier run's results.json instead of running")
@@ -113,6 +118,8 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         # of milliseconds per matmul, which would make a seconds-long smoke run take minutes.
         threads=_pick(args.threads, QUICK["threads"], None, quick),
         seed=args.seed,
+        cpu_linears=args.cpu_linears,
+        draft_sources=args.draft_source,
     )
 
 

@@ -129,8 +129,11 @@ def _profile_key(model) -> str:
     config = model.config.get_text_config().to_json_string(use_diff=False)
     digest = hashlib.sha256(config.encode()).hexdigest()[:16]
     attn = model.config.get_text_config()._attn_implementation
+    from ..cpu import is_enabled  # the measured linear path changes every cost
+
+    linears = "-measured" if is_enabled(model) else ""
     return (f"v{PROFILE_VERSION}-{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
-            f"-t{torch.get_num_threads()}")
+            f"-t{torch.get_num_threads()}{linears}")
 
 
 def load_or_measure_costs(model, max_query: int) -> dict[int, float]:

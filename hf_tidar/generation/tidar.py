@@ -30,6 +30,7 @@ from ..cache import DraftCache
 from ..masks import DecodeMaskState, DecodeStepMasks, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
 from .auto_layout import AutoLayout
+from .drafters import DRAFT_SOURCES, NgramIndex, SourceChooser
 from .layout import DraftLayout
 from .outputs import StrategyGenerateOutput
 from .processors import refuse_stateful
@@ -53,7 +54,7 @@ class Row:
     logits: list[torch.Tensor] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     finished: bool = False
-
+    ngrams: NgramIndex | None = None  # its n-gram index, when prompt lookup may draft
     @property
     def sequence(self) -> torch.Tensor:
         """``[1, length]`` view of the tokens so far (prompt included)."""
@@ -65,14 +66,15 @@ class Drafts:
     """The next block of one row: tokens ``d_0..d_{m-1}`` and the processed scores that proposed them."""
 
     tokens: list[int]
-    scores: torch.Tensor | None  # [m, V]; row 0 unused (d_0 came from the verifier)
+    scores: torch.Tensor | None  # [m, V]; row 0 unused (d_0 came from the verifier); None: greedy lookup drafts
+    source: str = "diffusion"
 
 
 class TidarDecoder:
     """State and steps of one ``generate(strategy="tidar")`` call (left-padded batch)."""
 
     def __init__(self, model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
-                 streamer, layout: DraftLayout | AutoLayout, verifier_weight: float):
+                 streamer, layout: DraftLayout | AutoLayout, verifier_weight: float, draft_source: str = "diffusion"):
         self.model = model
         self.mask_id = model.require_mask_token_id()
         self.scorer = Scorer(logits_processor, input_ids.shape[0])
@@ -96,6 +98,11 @@ class TidarDecoder:
         length = input_ids.shape[1]
         self.rows = [Row(index, self._buffer(row, capacity), length) for index, row in enumerate(input_ids)]
         self.cache = DraftCache(config=model.config.get_text_config())
+        self.draft_source = draft_source
+        self.chooser = SourceChooser()
+        if draft_source != "diffusion":
+            for row, prompt, valid in zip(self.rows, input_ids, attention_mask.bool()):
+                row.ngrams = NgramIndex(prompt[valid].tolist())
 
     def _buffer(self, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
         ids = torch.zeros(1, capacity, dtype=torch.long, device=prompt.device)
@@ -108,6 +115,8 @@ class TidarDecoder:
         """Append one token to ``row`` exactly as AR decoding would; returns whether the row must stop."""
         row.ids[0, row.length] = token
         row.length += 1
+        if row.ngrams is not None:
+            row.ngrams.append(token)
         # Copies: these are views of a whole pass's projected rows, which would otherwise stay alive.
         if self.keep_scores:
             row.scores.append(scores.clone())
@@ -136,6 +145,26 @@ class TidarDecoder:
             rows_scores.append(scores)
             prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
         return Drafts(tokens, torch.stack(rows_scores))
+
+    def next_block(self, row: Row, first: int, slot_logits: torch.Tensor) -> Drafts:
+        """The row's drafts after ``d_0 = first``: a prompt-lookup continuation where the draft source allows
+        one and it is expected to commit more, else the diffusion slots."""
+        wants_lookup = self.draft_source == "prompt_lookup" or (
+            self.draft_source == "best" and self.chooser.prefers_lookup())
+        if row.ngrams is not None and wants_lookup and slot_logits.shape[0]:
+            proposal = row.ngrams.propose(slot_logits.shape[0])
+            if proposal:
+                return self.lookup_drafts(first, proposal, slot_logits.shape[-1])
+        return self.draft(row, first, slot_logits)
+
+    def lookup_drafts(self, first: int, proposal: list[int], vocab: int) -> Drafts:
+        """Prompt-lookup drafts: deterministic proposals, so their draft distribution ``q`` is one-hot (what
+        speculative sampling needs; greedy verification needs none)."""
+        scores = None
+        if self.do_sample:
+            scores = torch.full((len(proposal) + 1, vocab), float("-inf"), device=self.device)
+            scores[torch.arange(1, len(proposal) + 1), torch.tensor(proposal)] = 0.0
+        return Drafts([first, *proposal], scores, source="prompt_lookup")
 
     def slot_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Diffusion logits of slots with ``[MASK]`` itself never proposed (a copy)."""
@@ -170,7 +199,7 @@ class TidarDecoder:
             if accepted == m:  # every draft accepted: the bonus token comes from the target alone
                 self.emit(row, int(choose(target, self.do_sample)), scores, raw)
                 break
-            draft_scores = drafts.scores[accepted]
+            draft_scores = drafts.scores[accepted] if drafts.scores is not None else None
             if fast:
                 ok, replacement = best[accepted - 1] == drafts.tokens[accepted], best[accepted - 1]
             else:
@@ -210,7 +239,7 @@ class TidarDecoder:
             diffusion = self._diffusion_scores(row, logits[index, k]) if self.mixed else None
             first = int(choose(mix_verifier(scores, diffusion, self.verifier_weight), self.do_sample))
             self.emit(row, first, scores, ar_logits[index])
-            all_drafts.append(self.draft(row, first, slots[index]))
+            all_drafts.append(self.next_block(row, first, slots[index]))
         return all_drafts
 
     def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskState) -> list[Drafts | None]:
@@ -260,8 +289,10 @@ class TidarDecoder:
             count = self.verify(row, drafts[index], ar_logits[index], row_slots)
             row.accepted.append(count)
             emitted.append(count)
-            if self.auto and not row.finished:  # a stop cuts a pass short: not a rejection
-                self.auto.observe(len(drafts[index].tokens), count)
+            if not row.finished:  # a stop cuts a pass short: not a rejection
+                self.chooser.observe(drafts[index].source, count - 1)
+                if self.auto:
+                    self.auto.observe(len(drafts[index].tokens), count)
         if self.auto:
             self.auto.count_pass()
         return emitted
@@ -283,7 +314,7 @@ class TidarDecoder:
             # The group's slot at offset accepted - group is the verifier's position; drafts follow it.
             first = layout.projected_slot_start(group)
             slots = self.slot_logits(logits[index, first + accepted - group : first + layout.draft_len - 1])
-            next_drafts.append(self.draft(row, int(row.ids[0, row.length - 1]), slots))
+            next_drafts.append(self.next_block(row, int(row.ids[0, row.length - 1]), slots))
         return next_drafts
 
     def run(self, input_ids: torch.Tensor) -> None:
@@ -320,7 +351,7 @@ class TidarDecoder:
         k = self.layout.draft_len
         if len(drafts.tokens) <= k:
             return drafts
-        return Drafts(drafts.tokens[:k], drafts.scores[:k] if drafts.scores is not None else None)
+        return Drafts(drafts.tokens[:k], drafts.scores[:k] if drafts.scores is not None else None, drafts.source)
 
     def _select(self, state: DecodeMaskState, keep: list[int], current: list[int]) -> None:
         """Drop finished rows from the batch: they stop costing work."""
@@ -412,6 +443,7 @@ def tidar_decode(
     draft_groups: list[int] | None = None,
     draft_layout: str | None = None,
     verifier_weight: float = 1.0,
+    draft_source: str = "diffusion",
     **model_kwargs,
 ):
     """The ``generate(strategy="tidar")`` loop (transformers calls it through ``custom_generate``).
@@ -424,7 +456,13 @@ def tidar_decode(
         verifier_weight: ``beta`` of the mixed verifier in ``[0, 1]``; 1 (default) is exact AR verification.
             Below 1, position ``p + i`` is verified against ``beta * AR + (1 - beta) * diffusion``, the
             diffusion term being group ``i``'s first slot of the same pass (so every group must be computed).
+        draft_source: where a pass's drafts come from: ``"diffusion"`` (default) the mask slots,
+            ``"prompt_lookup"`` an n-gram match in the context where there is one (the slots elsewhere),
+            ``"best"`` per pass the source with the higher running mean of accepted drafts. Every source is
+            verified the same way, so the output does not depend on it; only the speed does.
     """
+    if draft_source not in DRAFT_SOURCES:
+        raise ValueError(f"draft_source must be one of {', '.join(map(repr, DRAFT_SOURCES))}, got {draft_source!r}.")
     refuse_stateful(logits_processor, "tidar")
     if not 0.0 <= verifier_weight <= 1.0:
         raise ValueError(f"verifier_weight must be in [0, 1] (1 = exact AR verification), got {verifier_weight}.")
@@ -446,7 +484,7 @@ def tidar_decode(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     decoder = TidarDecoder(model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
-                           streamer, layout, verifier_weight)
+                           streamer, layout, verifier_weight, draft_source)
     decoder.run(input_ids)
     return decoder.result(input_ids.shape[1])
 

@@ -1,0 +1,73 @@
+"""Draft sources that need no training: prompt lookup, and the choice between it and the diffusion slots.
+
+TiDAR verifies whatever drafts it is given, so any source keeps the output exact; a better source only
+commits more tokens per pass. Prompt lookup (Saxena 2023; transformers' ``PromptLookupCandidateGenerator``)
+proposes the tokens that followed the most recent earlier occurrence of the sequence's last n-gram: on
+code and on answers that quote the prompt it is often right several tokens in a row, where a small
+model's one-step diffusion draft is not.
+
+:class:`NgramIndex` keeps, per row, every n-gram's most recent continuation in a dict updated as tokens
+are emitted, so a lookup is a few dict reads instead of a scan of the sequence. :class:`SourceChooser`
+keeps the running mean of accepted drafts per source and picks, per pass, the source expected to commit
+more (a lookup is only a candidate when it found a match).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+DRAFT_SOURCES = ("diffusion", "prompt_lookup", "best")
+"""``draft_source`` values: diffusion slots only; prompt lookup where it matches (diffusion elsewhere);
+per pass the one with the higher expected accepted length."""
+
+
+class NgramIndex:
+    """Most recent continuation of every n-gram (``n = 1..max_ngram``) of one growing token sequence."""
+
+    def __init__(self, tokens: Iterable[int], max_ngram: int = 3):
+        self.max_ngram = max_ngram
+        self.tokens: list[int] = []
+        self.after: dict[tuple[int, ...], int] = {}  # n-gram -> index of the token that followed it last
+        for token in tokens:
+            self.append(token)
+
+    def append(self, token: int) -> None:
+        """Add ``token``: the n-grams that end just before it now have it as their continuation."""
+        end = len(self.tokens)
+        for n in range(1, min(self.max_ngram, end) + 1):
+            self.after[tuple(self.tokens[end - n : end])] = end
+        self.tokens.append(token)
+
+    def propose(self, count: int) -> list[int]:
+        """Up to ``count`` tokens that followed the longest suffix n-gram seen before (``[]``: no match)."""
+        length = len(self.tokens)
+        for n in range(min(self.max_ngram, length), 0, -1):
+            start = self.after.get(tuple(self.tokens[length - n :]))
+            if start is not None:
+                return self.tokens[start : start + count]
+        return []
+
+
+class SourceChooser:
+    """Running mean of accepted drafts per source, with a prior that lets each be tried."""
+
+    PRIOR_PASSES = 2.0
+
+    def __init__(self, priors: dict[str, float] | None = None):
+        self.priors = priors or {"diffusion": 0.5, "prompt_lookup": 1.0}
+        self.accepted = {source: 0.0 for source in self.priors}
+        self.passes = {source: 0 for source in self.priors}
+
+    def expected(self, source: str) -> float:
+        """Expected drafts accepted per pass (beyond the verifier's own first token)."""
+        prior = self.priors[source] * self.PRIOR_PASSES
+        return (self.accepted[source] + prior) / (self.passes[source] + self.PRIOR_PASSES)
+
+    def prefers_lookup(self) -> bool:
+        """Whether a found prompt-lookup match should be drafted instead of the diffusion slots."""
+        return self.expected("prompt_lookup") >= self.expected("diffusion")
+
+    def observe(self, source: str, accepted: int) -> None:
+        """Record a pass whose drafts from ``source`` had ``accepted`` of them accepted."""
+        self.accepted[source] += accepted
+        self.passes[source] += 1

@@ -1,0 +1,59 @@
+"""Draft sources that need no training: prompt lookup and the per-pass choice, exact like every draft."""
+
+import pytest
+import torch
+from test_tidar_decoding import _chi_square_p_value, _first_tokens_histogram, _left_pad, tiny_vocab_model  # noqa: F401
+from toy import tiny_ar_model
+
+from hf_tidar import TidarForCausalLM
+from hf_tidar.generation.drafters import NgramIndex, SourceChooser
+
+
+def test_ngram_index_proposes_the_latest_continuation_of_the_longest_suffix():
+    index = NgramIndex([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], max_ngram=3)
+    assert index.propose(2) == [9, 2]  # "5 6" last continued with 9 (not the older 7)
+    index.append(9)
+    assert index.propose(3) == [2, 5, 6]  # "5 6 9" seen once, followed by 2 5 6
+    assert NgramIndex([1, 2, 3]).propose(2) == []  # 3 never occurred before the end
+    assert NgramIndex([]).propose(2) == []
+
+
+def test_source_chooser_follows_what_gets_accepted():
+    chooser = SourceChooser()
+    assert chooser.prefers_lookup()  # optimistic prior: lookup is tried first
+    for _ in range(6):
+        chooser.observe("prompt_lookup", 0)
+        chooser.observe("diffusion", 2)
+    assert not chooser.prefers_lookup()
+
+
+@pytest.fixture(scope="module")
+def looping_model():
+    """A random model: its greedy continuations fall into loops, which prompt lookup drafts right."""
+    return TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=24, seed=4), block_size=4).eval()
+
+
+@pytest.mark.parametrize("source", ["prompt_lookup", "best"])
+def test_lookup_drafts_keep_greedy_output_exact_and_commit_more(looping_model, source):
+    prompts, mask = _left_pad([torch.tensor([3, 9, 4, 9, 4, 9, 11]), torch.tensor([7, 5, 6])])
+    settings = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
+    with torch.no_grad():
+        ar = looping_model.generate(prompts, **settings)
+        diffusion = looping_model.generate(prompts, strategy="tidar", return_dict_in_generate=True, **settings)
+        lookup = looping_model.generate(prompts, strategy="tidar", draft_source=source, return_dict_in_generate=True,
+                                        **settings)
+    assert torch.equal(diffusion.sequences, ar) and torch.equal(lookup.sequences, ar)
+    assert int(lookup.forward_passes.sum()) < int(diffusion.forward_passes.sum())
+
+
+def test_lookup_drafts_keep_the_sampling_distribution(tiny_vocab_model):  # noqa: F811
+    prompt = torch.tensor([[1, 2, 3, 1, 2, 3, 1]])  # repeats: lookup has matches to draft from
+    ar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "ar", vocab=4, positions=[2, 3])
+    tidar = _first_tokens_histogram(tiny_vocab_model, prompt, 2500, "tidar", vocab=4, positions=[2, 3],
+                                    draft_source="prompt_lookup")
+    assert _chi_square_p_value(ar, tidar) > 1e-3, (ar, tidar)
+
+
+def test_unknown_draft_source_is_refused(looping_model):
+    with pytest.raises(ValueError, match="draft_source must be one of"):
+        looping_model.generate(torch.tensor([[1, 2]]), strategy="tidar", draft_source="ngram", max_new_tokens=2)
