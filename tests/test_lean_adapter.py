@@ -5,8 +5,8 @@ import torch
 from toy import counting_batch, tiny_ar_model
 
 from hf_tidar import cpu
-from hf_tidar.cpu import linear as cpu_linear
 from hf_tidar.adapters import TailLoraLinear, is_lean, to_lean
+from hf_tidar.cpu import linear as cpu_linear
 from hf_tidar.masks import tidar_training_layout
 from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
 

@@ -125,8 +125,8 @@ def profile_shape(out_features: int, in_features: int, dtype: torch.dtype, repea
         for rows in ROW_GRID:
             x = torch.randn(rows, in_features, dtype=dtype)
 
-            def sweep() -> None:
-                for w, p in zip(pool, packed):
+            def sweep(method: str = method, x: torch.Tensor = x) -> None:
+                for w, p in zip(pool, packed, strict=True):
                     _run(method, w, p, x)
 
             timings[method][rows] = _median_seconds(sweep, repeats) / copies

@@ -101,7 +101,7 @@ class TidarDecoder:
         self.draft_source = draft_source
         self.chooser = SourceChooser()
         if draft_source != "diffusion":
-            for row, prompt, valid in zip(self.rows, input_ids, attention_mask.bool()):
+            for row, prompt, valid in zip(self.rows, input_ids, attention_mask.bool(), strict=True):
                 row.ngrams = NgramIndex(prompt[valid].tolist())
 
     def _buffer(self, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
