@@ -143,6 +143,7 @@ class BenchConfig:
     seed: int = 0
     cpu_linears: bool = False  # the measured CPU linear path (hf_tidar.cpu) on every model, stock AR kept as a row
     draft_sources: list[str] = field(default_factory=lambda: ["diffusion"])
+    first_group_layouts: bool = False  # also run each k with pre-draft group 1 only
 
     def validate(self) -> None:
         """Raise a ``ValueError`` that says what to change."""
@@ -391,8 +392,13 @@ def _tidar_methods(config: BenchConfig, models: Models) -> list[Method]:
     for source in config.draft_sources:
         suffix = "" if source == "diffusion" else f"-{source.replace('_', '-')}"
         extra = {} if source == "diffusion" else {"draft_source": source}
-        methods += [Method(f"tidar-k{k}{suffix}", "tidar", "main", {"strategy": "tidar", "draft_length": k, **extra},
-                           draft_length=k, layout="full") for k in sorted(set(config.draft_lengths))]
+        for k in sorted(set(config.draft_lengths)):
+            methods.append(Method(f"tidar-k{k}{suffix}", "tidar", "main",
+                                  {"strategy": "tidar", "draft_length": k, **extra}, draft_length=k, layout="full"))
+            if config.first_group_layouts and k > 1:  # q = 2k instead of k(k+1): one pre-draft group
+                methods.append(Method(f"tidar-k{k}-g1{suffix}", "tidar", "main",
+                                      {"strategy": "tidar", "draft_length": k, "draft_groups": [1], **extra},
+                                      draft_length=k, layout="group-1"))
         if config.auto_layout:
             methods.append(Method(f"tidar-auto{suffix}", "tidar", "main",
                                   {"strategy": "tidar", "draft_layout": "auto", **extra}, layout="auto"))

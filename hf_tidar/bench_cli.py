@@ -64,6 +64,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="run every model on the measured CPU linear path (hf_tidar.cpu); adds an ar-stock-linears row")
     parser.add_argument("--draft-source", nargs="+", default=["diffusion"], choices=DRAFT_SOURCES,
                         help="TiDAR draft sources to run (one row set each)")
+    parser.add_argument("--first-group-layouts", action="store_true",
+                        help="also run each draft length with pre-draft group 1 only (2k query tokens, not k(k+1))")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--from-json", type=Path, default=None,
                         help="re-render tables and plots of an earlier run's results.json instead of running")
@@ -120,6 +122,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         cpu_linears=args.cpu_linears,
         draft_sources=args.draft_source,
+        first_group_layouts=args.first_group_layouts,
     )
 
 

@@ -82,10 +82,13 @@ class TailLoraLinear(nn.Linear):
         start = self.tail.start
         if start is None or start >= x.shape[-2]:
             return out
-        update = F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
         if torch.is_grad_enabled():
+            update = F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
             return torch.cat([out[..., :start, :], out[..., start:, :] + update], dim=-2)
-        out[..., start:, :] += update
+        if x.dim() == 3 and x.shape[0] == 1:  # one sequence: 2-D products, the update added in place by addmm_
+            out[0, start:].addmm_(torch.mm(x[0, start:], self.lora_a.t()), self.lora_b.t())
+        else:
+            out[..., start:, :] += F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
         return out
 
 

@@ -151,8 +151,10 @@ class TidarDecoder:
         one and it is expected to commit more, else the diffusion slots."""
         wants_lookup = self.draft_source == "prompt_lookup" or (
             self.draft_source == "best" and self.chooser.prefers_lookup())
-        if row.ngrams is not None and wants_lookup and slot_logits.shape[0]:
-            proposal = row.ngrams.propose(slot_logits.shape[0])
+        if row.ngrams is not None and wants_lookup:
+            # A full block whatever the group: lookup does not need the slots (a layout with few groups
+            # leaves short diffusion blocks after long acceptances, a lookup match fills them).
+            proposal = row.ngrams.propose(self.layout.draft_len - 1)
             if proposal:
                 return self.lookup_drafts(first, proposal, slot_logits.shape[-1])
         return self.draft(row, first, slot_logits)
