@@ -26,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="SmolLM2-135M: stream TiDAR output, compare with HF's AR generate")
     demo.add_argument("--block-size", type=int, default=4, help="block size when no adapter is used (default: 4)")
-    demo.add_argument("--draft-length", type=int, default=None, help="fixed draft length k (default: auto layout)")
+    demo.add_argument("--draft-length", type=int, default=None,
+                      help="drafts per pass k, every pre-draft group (default: 2 drafts, group 1 only)")
+    demo.add_argument("--draft-layout", choices=("auto",), default=None, help="let the auto layout pick k and groups")
+    demo.add_argument("--stock-linears", action="store_true",
+                      help="run TiDAR on torch's stock linears instead of the measured CPU path")
     demo.add_argument("--adapter", default=None, help="gated TiDAR adapter folder (default: the shipped one)")
     demo.add_argument("--no-adapter", action="store_true", help="convert SmolLM2 without an adapter (untrained drafts)")
     demo.add_argument("--max-new-tokens", type=int, default=48)
@@ -150,9 +154,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
         install=not args.no_install,
         as_json=args.json,
         adapter=adapter,
-        draft_layout=None if args.draft_length else "auto",
-        draft_length=args.draft_length,
+        tidar_settings=_demo_tidar_settings(args),
+        cpu_linears=not args.stock_linears,
     )
+
+
+def _demo_tidar_settings(args: argparse.Namespace) -> dict | None:
+    if args.draft_layout:
+        return {"draft_layout": args.draft_layout, "draft_source": "best"}
+    if args.draft_length:
+        return {"draft_length": args.draft_length, "draft_source": "best"}
+    return None  # the demo's own default
 
 
 def _encode(tokenizer, prompt: str, chat: bool):
