@@ -158,3 +158,34 @@ def test_train_cli_soft_loss_from_distilled_rows_and_exact_resume(tmp_path, caps
         Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]).save_to_disk(
             str(tmp_path / "hard"))
         main([*common[:4], str(tmp_path / "hard"), *common[5:], "--max-steps", "1", "--output", str(tmp_path / "d")])
+
+
+def test_sequential_training_resumes_exactly_on_a_dataset_that_grew(tmp_path, capsys):
+    """Train on the shards that exist, stop, resume once another shard landed: the same run as training at the end."""
+    from datasets import Dataset
+
+    from hf_tidar.training.distill import load_distilled
+    from hf_tidar.training.train import main
+
+    ids = (torch.randint(0, 200, (24, 1), generator=torch.Generator().manual_seed(1)) + torch.arange(16)) % 250
+    rows = _soft_batch(ids, prompt=6)
+    growing, complete = tmp_path / "growing", tmp_path / "complete"
+    for folder, shards in ((growing, 1), (complete, 2)):
+        for n in range(shards):
+            Dataset.from_list(rows[12 * n : 12 * n + 12]).save_to_disk(str(folder / "shards" / f"{n:05d}"))
+    assert len(load_distilled(growing)) == 12 and load_distilled(complete)["input_ids"] == [r["input_ids"] for r in rows]
+    common = ["--method", "lora", "--data", "--diffusion-loss", "soft", "--data-order", "sequential",
+              "--batch-size", "4", "--logging-steps", "1", "--eval-samples", "0", "--max-steps", "6",
+              "--save-steps", "100", "--json"]
+
+    def run(*extra):
+        assert main([*common, *extra]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    straight = run("--distilled", str(complete), "--output", str(tmp_path / "a"))
+    first = run("--distilled", str(growing), "--stop-at-step", "3", "--resume", "auto", "--output", str(tmp_path / "b"))
+    assert first["steps"] == 3 and (tmp_path / "b" / "checkpoint-3").is_dir()
+    Dataset.from_list(rows[12:]).save_to_disk(str(growing / "shards" / "00001"))  # the next shard lands
+    resumed = run("--distilled", str(growing), "--resume", "auto", "--output", str(tmp_path / "b"))
+    assert resumed["steps"] == 6
+    assert resumed["diffusion_losses"] == pytest.approx(straight["diffusion_losses"], rel=1e-5)

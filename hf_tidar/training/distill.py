@@ -259,9 +259,23 @@ def _shard_rows(model, chunk: Sequence[Sequence[int]], max_new_tokens: int, batc
     return rows
 
 
+def finished_shards(path: str | Path) -> list[Path]:
+    """The shards of a (possibly still running) :func:`distill` run, in order, up to the first missing one."""
+    shards = []
+    while (Path(path) / "shards" / f"{len(shards):05d}" / "dataset_info.json").exists():
+        shards.append(Path(path) / "shards" / f"{len(shards):05d}")
+    return shards
+
+
 def load_distilled(path: str | Path) -> Dataset:
-    """A dataset written by :func:`distill` (its folder, or the ``dataset`` folder inside it)."""
+    """A dataset written by :func:`distill`: its folder, the ``dataset`` folder inside it, or a shard.
+
+    A run still in progress (no ``dataset`` folder yet) gives its finished shards, in order: rows only
+    ever get appended, so ``hf-tidar train --data-order sequential`` can start on them and resume later.
+    """
     path = Path(path)
+    if not (path / "dataset").exists() and finished_shards(path):
+        return concatenate_datasets([load_from_disk(str(s)) for s in finished_shards(path)])
     folder = path / "dataset" if (path / "dataset").exists() else path
     if not (folder / "dataset_info.json").exists():
         raise ValueError(f"{path} holds no distilled dataset; create one with python -m hf_tidar.training.distill.")

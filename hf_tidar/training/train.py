@@ -61,6 +61,11 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--slot-decay", type=float, default=0.8, help="soft loss: slot r of a block weighs decay**r (1: equal)")
     add("--init-adapter", default=None, help="lora: start from this gated adapter's weights (an adapter folder "
         "or a checkpoint; optimizer and schedule start fresh). Ignored when resuming")
+    add("--data-order", choices=("random", "sequential"), default="random", help="sequential: rows in stored order "
+        "(distill --shuffle mixes them already), so a resumed run over a dataset that grew since (shards still "
+        "landing) sees exactly the same batches")
+    add("--stop-at-step", type=int, default=None, help="save a checkpoint and stop at this step, keeping the "
+        "schedule of --max-steps (resume later with --resume auto, e.g. once more data exists)")
     add("--lora-rank", type=int, default=16)
     add("--lora-alpha", type=int, default=None, help="default: 2 x rank")
     add("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only the final model)")
@@ -187,6 +192,18 @@ class MethodMarker(TrainerCallback):
             (folder / MARKER).write_text(json.dumps(self.info) + "\n")
 
 
+class StopAtStep(TrainerCallback):
+    """Save and stop at ``step`` while the LR schedule stays the one planned for ``max_steps``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
 def checkpoint_method(folder: Path) -> str | None:
     """The method a checkpoint was trained with (from its marker, else from its files), or ``None``."""
     marker = folder / MARKER
@@ -251,6 +268,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         bf16=args.bf16,
         seed=args.seed,
         report_to=[],
+        train_sampling_strategy=args.data_order,
         remove_unused_columns=False,
         # Without use_cpu, accelerate leaves a CPU-only torchrun job undistributed: every process would
         # train alone on its shard, silently (checked in run_training).
@@ -295,6 +313,7 @@ def run_training(args: argparse.Namespace) -> dict:
             MethodMarker({"method": args.method, "block_size": args.block_size, "alpha": args.alpha,
                           "diffusion_loss": args.diffusion_loss, "slot_decay": args.slot_decay}),
             CurrentIntervals(),
+            *([StopAtStep(args.stop_at_step)] if args.stop_at_step else []),
         ],
     )
     if training_args.world_size > 1 and trainer.accelerator.num_processes != training_args.world_size:
