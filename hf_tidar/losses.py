@@ -8,10 +8,15 @@ verifier's distribution is the target that matters. Per target position ``i`` (s
     l_i = KL(p_i || q_i) + ce_weight * CE(q_i, x_i)
 
 where ``p_i`` is the stored top-k renormalised over its ``k`` ids, ``q_i`` the draft's full softmax
-(read at those ids), and ``x_i`` the greedy token. Positions are weighted by ``slot_weights[r]``: a
-pass accepts drafts left to right, so slot 0 decides whether anything is accepted at all, and later
-slots only matter when every earlier one was right. Positions without stored targets (packed text in a
-mixed batch) get the CE term only, with the same slot weight.
+(read at those ids), and ``x_i`` the greedy token. Positions are weighted by ``slot_weights[r]``.
+
+Which slots matter: when decoding, the mask group a pass keeps sees every token before its first slot,
+and that first slot sits at the verifier's own position (the token the verifier commits in the same
+pass), so the decoder never reads it. The drafts are slots ``1 .. B-1``, accepted left to right: slot 1
+decides whether a pass gains anything, slot ``r`` counts only when slots ``1 .. r-1`` were right.
+:func:`decaying_slot_weights` therefore puts weight 1 on slot 1, ``decay ** (r - 1)`` on slot ``r``, and
+a small auxiliary weight on slot 0. Positions without stored targets (packed text in a mixed batch) get
+the CE term only, with the same slot weight.
 """
 
 from __future__ import annotations
@@ -28,11 +33,18 @@ SOFT_LOSS_KEYS = (TEACHER_IDS, TEACHER_LOGPROBS, SLOT_WEIGHTS)
 """Batch keys of the soft loss; a batch holding them makes the TiDAR training forward use it."""
 
 
-def decaying_slot_weights(block_size: int, decay: float) -> torch.Tensor:
-    """``decay ** r`` for slots ``r = 0 .. block_size - 1`` (1 everywhere for ``decay = 1``)."""
+def decaying_slot_weights(block_size: int, decay: float, slot0: float = 0.1) -> torch.Tensor:
+    """``[slot0, 1, decay, decay**2, ...]``: one weight per slot of a block (see the module docstring).
+
+    Slot 0 (the verifier's position, never used as a draft) keeps ``slot0`` as an auxiliary target.
+    """
     if not 0 < decay <= 1:
         raise ValueError(f"slot decay must be in (0, 1], got {decay}.")
-    return decay ** torch.arange(block_size, dtype=torch.float32)
+    if slot0 < 0:
+        raise ValueError(f"the slot-0 weight must be >= 0, got {slot0}.")
+    weights = decay ** (torch.arange(block_size, dtype=torch.float32) - 1)
+    weights[0] = slot0
+    return weights
 
 
 @dataclass

@@ -37,10 +37,13 @@ def test_loss_equals_a_hand_computation():
 
 
 def test_slot_weights_decay_and_are_checked():
-    assert decaying_slot_weights(4, 0.5).tolist() == [1.0, 0.5, 0.25, 0.125]
-    assert decaying_slot_weights(3, 1.0).tolist() == [1.0, 1.0, 1.0]
+    # Slot 0 is the verifier's position (never a draft): an auxiliary weight; drafts decay from slot 1.
+    assert decaying_slot_weights(4, 0.5).tolist() == pytest.approx([0.1, 1.0, 0.5, 0.25])
+    assert decaying_slot_weights(3, 1.0, slot0=1.0).tolist() == [1.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="slot decay"):
         decaying_slot_weights(4, 0.0)
+    with pytest.raises(ValueError, match="slot-0 weight"):
+        decaying_slot_weights(4, 0.5, slot0=-1.0)
 
 
 def test_teacher_targets_land_on_the_continuation_for_either_padding_side():

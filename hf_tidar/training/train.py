@@ -58,7 +58,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--lr-scheduler", default="cosine", help="any transformers scheduler name (default: cosine, as the paper)")
     add("--diffusion-loss", choices=DIFFUSION_LOSSES, default="ce", help="ce: cross-entropy against the clean "
         "token (default); soft: KL to the base model's stored top-k (distill --top-k) + CE, slot-weighted")
-    add("--slot-decay", type=float, default=0.8, help="soft loss: slot r of a block weighs decay**r (1: equal)")
+    add("--slot-decay", type=float, default=0.8, help="soft loss: draft slot r >= 1 of a block weighs "
+        "decay**(r-1) (1: equal)")
+    add("--slot0-weight", type=float, default=0.1, help="soft loss: weight of slot 0, the verifier's own position "
+        "(decoding never reads it as a draft; default 0.1)")
     add("--init-adapter", default=None, help="lora: start from this gated adapter's weights (an adapter folder "
         "or a checkpoint; optimizer and schedule start fresh). Ignored when resuming")
     add("--data-order", choices=("random", "sequential"), default="random", help="sequential: rows in stored order "
@@ -284,7 +287,7 @@ def build_collator(args: argparse.Namespace, tokenizer):
         from ..losses import decaying_slot_weights
         from .collate import SoftTargetCollator
 
-        return SoftTargetCollator(tokenizer, decaying_slot_weights(args.block_size, args.slot_decay))
+        return SoftTargetCollator(tokenizer, decaying_slot_weights(args.block_size, args.slot_decay, args.slot0_weight))
     return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
 
 
@@ -311,7 +314,8 @@ def run_training(args: argparse.Namespace) -> dict:
         data_collator=build_collator(args, tokenizer),
         callbacks=[
             MethodMarker({"method": args.method, "block_size": args.block_size, "alpha": args.alpha,
-                          "diffusion_loss": args.diffusion_loss, "slot_decay": args.slot_decay}),
+                          "diffusion_loss": args.diffusion_loss, "slot_decay": args.slot_decay,
+                          "slot0_weight": args.slot0_weight}),
             CurrentIntervals(),
             *([StopAtStep(args.stop_at_step)] if args.stop_at_step else []),
         ],
