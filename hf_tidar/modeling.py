@@ -21,7 +21,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration import TidarConfig, check_backbone_type
 from .generation.mixin import StrategyGenerationMixin
-from .masks import TidarLayout, render_mask, tidar_training_layout
+from .losses import SLOT_WEIGHTS, SOFT_LOSS_KEYS, TEACHER_IDS, TEACHER_LOGPROBS, soft_diffusion_loss
+from .masks import TidarLayout, positions_from_padding, render_mask, tidar_training_layout
 
 IGNORE_INDEX = -100
 MASK_TOKEN = "[MASK]"
@@ -249,6 +250,8 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, labels: torch.Tensor, **kwargs
     ) -> TidarCausalLMOutput:
         mask_id = self.require_mask_token_id()
+        # Soft targets arrive as batch keys (SoftTargetCollator); the backbone must not see them.
+        soft = {key: kwargs.pop(key) for key in SOFT_LOSS_KEYS if key in kwargs}
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         valid = attention_mask.bool()
@@ -268,17 +271,40 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         else:
             # alpha = 0 (e.g. gated LoRA): the AR loss is only logged, so its large vocabulary projection
             # gets no autograd graph, and the full logits are not kept while training.
-            diffusion_logits = self.vocab_logits(hidden[:, seq_len:])
+            # The soft loss projects only the target positions (below); the full mask logits are then
+            # needed only when they are returned (evaluation).
+            skip_full = bool(soft) and torch.is_grad_enabled()
+            diffusion_logits = None if skip_full else self.vocab_logits(hidden[:, seq_len:])
             with torch.no_grad():
                 ar_logits = self.vocab_logits(hidden[:, :seq_len])
                 ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
             logits = None if torch.is_grad_enabled() else torch.cat([ar_logits, diffusion_logits], dim=1)
-        diffusion_loss = _mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
+        extra_logs = {}
+        if soft:
+            parts = self._soft_diffusion_loss(hidden[:, seq_len:], labels, valid, soft)
+            diffusion_loss = parts.loss
+            extra_logs = {"diffusion_ce": parts.ce,
+                          **{f"draft_acc_slot{r}": acc for r, acc in enumerate(parts.slot_accuracy)}}
+        else:
+            diffusion_loss = _mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
         loss = (alpha * ar_loss + diffusion_loss) / (1 + alpha)
         if self.training:
-            self.loss_tracker.add(ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach())
+            self.loss_tracker.add(ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach(), **extra_logs)
         return TidarCausalLMOutput(
             loss=loss, logits=logits, ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach()
+        )
+
+    def _soft_diffusion_loss(self, mask_hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+                             soft: dict[str, torch.Tensor]):
+        """:func:`~hf_tidar.losses.soft_diffusion_loss` over the target positions of the mask half.
+
+        The LM head runs on those positions only (prompt positions carry no loss).
+        """
+        targets = labels != IGNORE_INDEX
+        slots = positions_from_padding(valid) % self.config.block_size  # block = position // block_size
+        return soft_diffusion_loss(
+            self.vocab_logits(mask_hidden[targets]), labels[targets], slots[targets],
+            soft[TEACHER_IDS][targets], soft[TEACHER_LOGPROBS][targets], soft[SLOT_WEIGHTS],
         )
 
     def structured_hidden_states(

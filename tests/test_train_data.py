@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from toy import tiny_ar_model
@@ -15,6 +16,8 @@ from hf_tidar.training.distill import (
     distill,
     encode_prompts,
     greedy_continuations,
+    greedy_continuations_topk,
+    instruction_prompts,
     load_distilled,
 )
 
@@ -103,8 +106,9 @@ def test_distillation_is_batched_exactly_and_resumable(tmp_path, corpus_dir, mon
 
     shutil.rmtree(tmp_path / "d" / "shards" / "00001")  # as if interrupted during the second shard
     calls = []
-    original = module.greedy_continuations
-    monkeypatch.setattr(module, "greedy_continuations", lambda m, b, *a: calls.append(len(b)) or original(m, b, *a))
+    original = module.greedy_continuations_topk
+    monkeypatch.setattr(module, "greedy_continuations_topk",
+                        lambda m, b, *a: calls.append(len(b)) or original(m, b, *a))
     again = distill(model, tokenizer, prompts, tmp_path / "d", max_new_tokens=6, batch_size=4, shard_size=4,
                     progress=False)
     assert calls == [2] and again["input_ids"] == data["input_ids"]  # only the missing shard was generated
@@ -131,3 +135,33 @@ def test_stdlib_split_is_pinned_and_machine_independent():
     assert all(is_held_out(d.name, 0.01) for d in smaller.held_out)
     questions = chat_prompts(split.train, 50)
     assert not any("stdlib:" in q for q in questions)  # module names, not document names
+
+
+def test_distillation_keeps_the_top_k_distribution_of_every_target(tmp_path, corpus_dir):
+    tokenizer = byte_level_tokenizer()
+    model = tiny_ar_model("llama", vocab_size=len(tokenizer))
+    docs = load_corpus([str(corpus_dir / "pkg")], held_out_fraction=0.0).train
+    prompts = encode_prompts(tokenizer, code_prompts(docs, 5, max_lines=3, seed=2), chat=[])
+    found = greedy_continuations_topk(model, prompts, 5, tokenizer.pad_token_id, None, top_k=8)
+    for prompt, cont in zip(prompts, found, strict=True):
+        logits = model(torch.tensor([prompt + cont.tokens])).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).topk(8, -1)
+        assert len(cont.topk_ids) == len(cont.tokens) == 5
+        assert torch.equal(torch.tensor(np.array(cont.topk_ids), dtype=torch.long), expected.indices)  # batched == unbatched
+        assert torch.allclose(torch.tensor(np.array(cont.topk_logprobs)).float(), expected.values, atol=2e-2)
+        assert [ids[0] for ids in cont.topk_ids] == cont.tokens  # the greedy token is the top-1
+
+    data = distill(model, tokenizer, prompts, tmp_path / "soft", max_new_tokens=5, batch_size=2, shard_size=2,
+                   progress=False, top_k=8)
+    assert data.features["topk_ids"].feature.feature.dtype == "int32"
+    assert data.features["topk_logprobs"].feature.feature.dtype == "float16"
+    assert data["topk_ids"][3] == [list(map(int, ids)) for ids in found[3].topk_ids]
+    assert data["input_ids"][3] == prompts[3] + found[3].tokens
+    with pytest.raises(ValueError, match="other prompts"):  # top-k or not is part of a run's identity
+        distill(model, tokenizer, prompts, tmp_path / "soft", max_new_tokens=5, shard_size=2, progress=False)
+
+
+def test_instruction_prompts_name_a_function_and_its_docstring():
+    split = load_corpus(["stdlib"], max_files=40)
+    prompts = instruction_prompts(split.train, 20)
+    assert len(prompts) == 20 and all(p.startswith("Write a function `") and "(" in p for p in prompts)

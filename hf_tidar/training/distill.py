@@ -6,6 +6,12 @@ prompts are written as one shard, so an interrupted run resumes where it stopped
 ``datasets`` dataset with ``input_ids`` (prompt + continuation) and ``labels`` (``-100`` on the
 prompt: the drafts learn the continuation only), read by ``hf-tidar train --distilled``.
 
+With ``top_k > 0`` (``--top-k 32``) every row also keeps the base model's next-token distribution at
+each continuation position: ``topk_ids`` (int32) and ``topk_logprobs`` (fp16 log-softmax over the
+whole vocabulary), one list of ``k`` per continuation token. They are the soft targets of
+``hf-tidar train --diffusion-loss soft``: a draft slot learns how sure the model is, not only its
+argmax.
+
 Run: ``python -m hf_tidar.training.distill --output DIR --code-prompts 3000 --chat-prompts 3000``.
 """
 
@@ -18,10 +24,12 @@ import json
 import random
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
-from datasets import Dataset, concatenate_datasets, load_from_disk
+from datasets import Dataset, Features, Sequence as DatasetSequence, Value, concatenate_datasets, load_from_disk
 
 from .corpus import DEFAULT_HELD_OUT_FRACTION, Document
 
@@ -34,6 +42,8 @@ CHAT_TEMPLATES = (
     "What is `{name}` in Python's `{module}` module for?",
     "Give an example of using `{module}.{name}`.",
 )
+INSTRUCTION_TEMPLATE = "Write a function `{signature}` that does this: {doc}"
+TOPK_COLUMNS = ("topk_ids", "topk_logprobs")
 
 
 # -- prompts --------------------------------------------------------------------------------------
@@ -57,9 +67,11 @@ def code_prompts(docs: Sequence[Document], count: int, max_lines: int = 24, seed
     return prompts
 
 
-def chat_prompts(docs: Sequence[Document], count: int, seed: int = 0) -> list[str]:
-    """``count`` user questions built from the docstrings and names of functions and classes in ``docs``."""
-    rng = random.Random(seed)
+def documented_definitions(docs: Sequence[Document]) -> list[dict]:
+    """Public functions and classes of ``docs`` with a one-paragraph docstring of 20-200 characters.
+
+    Each is a dict with ``doc`` (the summary), ``name``, ``module`` and ``signature`` (``name(args)``).
+    """
     facts = []
     for doc in docs:
         try:
@@ -71,10 +83,31 @@ def chat_prompts(docs: Sequence[Document], count: int, seed: int = 0) -> list[st
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and not node.name.startswith("_"):
                 summary = (ast.get_docstring(node) or "").strip().split("\n\n")[0].replace("\n", " ")
                 if 20 <= len(summary) <= 200:
-                    facts.append({"doc": summary, "name": node.name, "module": module})
+                    args = ast.unparse(node.args) if isinstance(node, ast.FunctionDef) else ""
+                    facts.append({"doc": summary, "name": node.name, "module": module,
+                                  "signature": f"{node.name}({args})"})
+    return facts
+
+
+def chat_prompts(docs: Sequence[Document], count: int, seed: int = 0) -> list[str]:
+    """``count`` user questions built from the docstrings and names of functions and classes in ``docs``."""
+    rng = random.Random(seed)
+    facts = documented_definitions(docs)
     if not facts:
         raise ValueError("No documented functions or classes found to build chat prompts from.")
     return [rng.choice(CHAT_TEMPLATES).format(**rng.choice(facts)) for _ in range(count)]
+
+
+def instruction_prompts(docs: Sequence[Document], count: int, seed: int = 0) -> list[str]:
+    """``count`` coding instructions "Write a function `f(a, b)` that does this: <its docstring>".
+
+    Sent as chat requests: the model answers with code, the case where drafting pays most.
+    """
+    rng = random.Random(seed + 1)  # not the chat prompts' draw: other definitions for the same seed
+    facts = [f for f in documented_definitions(docs) if f["signature"].endswith(")") and "(" in f["signature"]]
+    if not facts:
+        raise ValueError("No documented functions found to build instructions from.")
+    return [INSTRUCTION_TEMPLATE.format(**rng.choice(facts)) for _ in range(count)]
 
 
 def encode_prompts(tokenizer, code: Sequence[str], chat: Sequence[str], max_prompt_tokens: int = 96) -> list[list[int]]:
@@ -94,16 +127,38 @@ def encode_prompts(tokenizer, code: Sequence[str], chat: Sequence[str], max_prom
 # -- generation -----------------------------------------------------------------------------------
 
 
-def _fingerprint(prompts: Sequence[Sequence[int]], max_new_tokens: int) -> str:
+def _fingerprint(prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 0) -> str:
     digest = hashlib.sha1(json.dumps([list(map(int, p)) for p in prompts]).encode())
     digest.update(str(max_new_tokens).encode())
+    if top_k:  # runs without soft targets keep their old fingerprint (and stay resumable)
+        digest.update(f"top_k={top_k}".encode())
     return digest.hexdigest()
+
+
+@dataclass
+class Continuation:
+    """One greedy continuation, with the model's top-k next-token distribution at each of its tokens.
+
+    ``topk_ids[j]`` / ``topk_logprobs[j]`` (``k`` each, most likely first) describe the distribution
+    the model drew ``tokens[j]`` from; empty lists when no top-k was asked for.
+    """
+
+    tokens: list[int]
+    topk_ids: list[np.ndarray]
+    topk_logprobs: list[np.ndarray]
 
 
 @torch.no_grad()
 def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int,
                          eos_token_id: int | None) -> list[list[int]]:
     """Greedy continuations of a batch of prompts (left-padded, so every row's continuation starts together)."""
+    return [c.tokens for c in greedy_continuations_topk(model, prompts, max_new_tokens, pad_token_id, eos_token_id)]
+
+
+@torch.no_grad()
+def greedy_continuations_topk(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int,
+                              eos_token_id: int | None, top_k: int = 0) -> list[Continuation]:
+    """Greedy continuations of a batch of prompts and, with ``top_k``, the top-k log-probabilities per token."""
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
@@ -112,20 +167,47 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new_tokens
         attention_mask[row, width - len(prompt) :] = 1
     device = next(model.parameters()).device
     out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
+                         return_dict_in_generate=True, output_logits=top_k > 0)
+    ids, logprobs = _topk_per_step(out.logits, top_k) if top_k else (None, None)
     continuations = []
-    for row in out[:, width:].tolist():
+    for row_index, row in enumerate(out.sequences[:, width:].tolist()):
         if eos_token_id is not None and eos_token_id in row:
             row = row[: row.index(eos_token_id) + 1]  # keep the EOS: drafts should predict the stop too
-        continuations.append(row)
+        if top_k:
+            n = len(row)
+            continuations.append(Continuation(row, list(ids[row_index, :n]), list(logprobs[row_index, :n])))
+        else:
+            continuations.append(Continuation(row, [], []))
     return continuations
 
 
+def _topk_per_step(step_logits: Sequence[torch.Tensor], top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """``[batch, steps, k]`` ids (int32) and log-softmax values (fp16) from ``generate``'s raw per-step logits.
+
+    The log-softmax is over the whole vocabulary, in float32 (fp16 would lose the tail), so the stored
+    values are true log-probabilities; the training loss renormalises them over the k ids.
+    """
+    logits = torch.stack(step_logits, dim=1).float()
+    values, ids = torch.log_softmax(logits, dim=-1).topk(top_k, dim=-1)
+    return ids.to(torch.int32).cpu().numpy(), values.to(torch.float16).cpu().numpy()
+
+
+def distilled_features(top_k: int) -> Features:
+    """Column types of a distilled shard: token ids as int64 (as shards without soft targets), top-k as int32 / fp16."""
+    columns = {"input_ids": DatasetSequence(Value("int64")), "labels": DatasetSequence(Value("int64"))}
+    if top_k:
+        columns["topk_ids"] = DatasetSequence(DatasetSequence(Value("int32")))
+        columns["topk_logprobs"] = DatasetSequence(DatasetSequence(Value("float16")))
+    return Features(columns)
+
+
 def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str | Path, max_new_tokens: int = 64,
-            batch_size: int = 16, shard_size: int = 256, progress: bool = True) -> Dataset:
+            batch_size: int = 16, shard_size: int = 256, progress: bool = True, top_k: int = 0) -> Dataset:
     """Generate (or resume generating) greedy continuations and save them as a dataset in ``output_dir``.
 
-    Rows: ``input_ids`` = prompt + continuation, ``labels`` = ``-100`` on the prompt, then the continuation.
+    Rows: ``input_ids`` = prompt + continuation, ``labels`` = ``-100`` on the prompt, then the continuation;
+    with ``top_k``, also ``topk_ids`` / ``topk_logprobs`` (one list of ``top_k`` per continuation token).
 
     Raises:
         ValueError: ``output_dir`` holds a run over different prompts or settings (resume needs the same ones).
@@ -133,30 +215,24 @@ def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str 
     output = Path(output_dir)
     shards = output / "shards"
     shards.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(prompts, max_new_tokens)
+    fingerprint = _fingerprint(prompts, max_new_tokens, top_k)
     manifest = output / MANIFEST
     if manifest.exists() and json.loads(manifest.read_text())["fingerprint"] != fingerprint:
         raise ValueError(f"{output} holds a distillation run over other prompts/settings; use a new --output.")
     manifest.write_text(json.dumps({"fingerprint": fingerprint, "prompts": len(prompts),
-                                    "max_new_tokens": max_new_tokens}) + "\n")
+                                    "max_new_tokens": max_new_tokens, "top_k": top_k,
+                                    "shard_size": shard_size}) + "\n")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     starts = range(0, len(prompts), shard_size)
     for number, start in enumerate(starts):
         shard_dir = shards / f"{number:05d}"
         if (shard_dir / "dataset_info.json").exists():
             continue  # done in an earlier run
-        rows = {"input_ids": [], "labels": []}
-        chunk = prompts[start : start + shard_size]
-        for offset in range(0, len(chunk), batch_size):
-            batch = chunk[offset : offset + batch_size]
-            for prompt, completion in zip(
-                batch, greedy_continuations(model, batch, max_new_tokens, pad, tokenizer.eos_token_id), strict=True
-            ):
-                rows["input_ids"].append(list(prompt) + completion)
-                rows["labels"].append([IGNORE_INDEX] * len(prompt) + completion)
+        rows = _shard_rows(model, prompts[start : start + shard_size], max_new_tokens, batch_size, pad,
+                           tokenizer.eos_token_id, top_k)
         partial = shards / f"{number:05d}.partial"
         shutil.rmtree(partial, ignore_errors=True)
-        Dataset.from_dict(rows).save_to_disk(str(partial))
+        Dataset.from_dict(rows, features=distilled_features(top_k)).save_to_disk(str(partial))
         partial.replace(shard_dir)  # a shard is either complete or absent
         if progress:
             print(f"distill: shard {number + 1}/{len(starts)} done", flush=True)
@@ -165,9 +241,41 @@ def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str 
     return dataset
 
 
+def _shard_rows(model, chunk: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int, pad: int,
+                eos: int | None, top_k: int) -> dict[str, list]:
+    """The columns of one shard: its prompts' continuations, generated ``batch_size`` at a time."""
+    rows: dict[str, list] = {"input_ids": [], "labels": []}
+    if top_k:
+        rows.update({name: [] for name in TOPK_COLUMNS})
+    for offset in range(0, len(chunk), batch_size):
+        batch = chunk[offset : offset + batch_size]
+        for prompt, found in zip(batch, greedy_continuations_topk(model, batch, max_new_tokens, pad, eos, top_k),
+                                 strict=True):
+            rows["input_ids"].append(list(prompt) + found.tokens)
+            rows["labels"].append([IGNORE_INDEX] * len(prompt) + found.tokens)
+            if top_k:
+                rows["topk_ids"].append(found.topk_ids)
+                rows["topk_logprobs"].append(found.topk_logprobs)
+    return rows
+
+
+def finished_shards(path: str | Path) -> list[Path]:
+    """The shards of a (possibly still running) :func:`distill` run, in order, up to the first missing one."""
+    shards = []
+    while (Path(path) / "shards" / f"{len(shards):05d}" / "dataset_info.json").exists():
+        shards.append(Path(path) / "shards" / f"{len(shards):05d}")
+    return shards
+
+
 def load_distilled(path: str | Path) -> Dataset:
-    """A dataset written by :func:`distill` (its folder, or the ``dataset`` folder inside it)."""
+    """A dataset written by :func:`distill`: its folder, the ``dataset`` folder inside it, or a shard.
+
+    A run still in progress (no ``dataset`` folder yet) gives its finished shards, in order: rows only
+    ever get appended, so ``hf-tidar train --data-order sequential`` can start on them and resume later.
+    """
     path = Path(path)
+    if not (path / "dataset").exists() and finished_shards(path):
+        return concatenate_datasets([load_from_disk(str(s)) for s in finished_shards(path)])
     folder = path / "dataset" if (path / "dataset").exists() else path
     if not (folder / "dataset_info.json").exists():
         raise ValueError(f"{path} holds no distilled dataset; create one with python -m hf_tidar.training.distill.")
@@ -187,9 +295,15 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--data", nargs="+", default=["stdlib"], help="sources to cut prompts from (default: stdlib)")
     parser.add_argument("--code-prompts", type=int, default=3000)
     parser.add_argument("--chat-prompts", type=int, default=3000, help="needs a tokenizer with a chat template")
+    parser.add_argument("--instruction-prompts", type=int, default=0,
+                        help="'Write a function `f(args)` that ...' requests from docstrings (chat template)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--max-prompt-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resuming)")
+    parser.add_argument("--shuffle", action="store_true", help="shuffle the prompts (seeded) so every shard mixes all kinds")
+    parser.add_argument("--top-k", type=int, default=0,
+                        help="keep the model's top-k next-token distribution per target token (soft targets; 32)")
     parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION, help="documents never used for prompts")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
@@ -210,13 +324,17 @@ def run_distill(args: argparse.Namespace) -> int:
         model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
     corpus = load_corpus(args.data, held_out_fraction=args.held_out_fraction)
     print(f"distill: {corpus.summary()} (prompts come from the train documents only)", flush=True)
-    prompts = encode_prompts(
-        tokenizer,
-        code_prompts(corpus.train, args.code_prompts, seed=args.seed),
-        chat_prompts(corpus.train, args.chat_prompts, seed=args.seed) if args.chat_prompts else [],
-        max_prompt_tokens=args.max_prompt_tokens,
-    )
-    dataset = distill(model.eval(), tokenizer, prompts, args.output, args.max_new_tokens, args.batch_size)
+    chat = chat_prompts(corpus.train, args.chat_prompts, seed=args.seed) if args.chat_prompts else []
+    if args.instruction_prompts:
+        chat += instruction_prompts(corpus.train, args.instruction_prompts, seed=args.seed)
+    prompts = encode_prompts(tokenizer, code_prompts(corpus.train, args.code_prompts, seed=args.seed), chat,
+                             max_prompt_tokens=args.max_prompt_tokens)
+    if args.shuffle:
+        # Every shard then mixes code, chat and instructions: a run stopped early, or a training run over
+        # the first shards, still sees every kind.
+        random.Random(args.seed).shuffle(prompts)
+    dataset = distill(model.eval(), tokenizer, prompts, args.output, args.max_new_tokens, args.batch_size,
+                      shard_size=args.shard_size, top_k=args.top_k)
     folder = Path(args.output) / "dataset"
     if getattr(args, "json", False):
         print(json.dumps({"rows": len(dataset), "dataset": str(folder), "skipped_files": corpus.skipped}))

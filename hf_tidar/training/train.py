@@ -28,6 +28,7 @@ from .callbacks import CurrentIntervals, HybridLossLogger
 from .corpus import DEFAULT_HELD_OUT_FRACTION, STDLIB, load_corpus, packed_dataset
 
 METHODS = ("full", "lora")
+DIFFUSION_LOSSES = ("ce", "soft")
 MARKER = "tidar_training.json"
 TINY = "tiny"
 SMOLLM2 = "smollm2"
@@ -55,6 +56,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--max-steps", type=int, default=100)
     add("--warmup-ratio", type=float, default=0.01)
     add("--lr-scheduler", default="cosine", help="any transformers scheduler name (default: cosine, as the paper)")
+    add("--diffusion-loss", choices=DIFFUSION_LOSSES, default="ce", help="ce: cross-entropy against the clean "
+        "token (default); soft: KL to the base model's stored top-k (distill --top-k) + CE, slot-weighted")
+    add("--slot-decay", type=float, default=0.8, help="soft loss: draft slot r >= 1 of a block weighs "
+        "decay**(r-1) (1: equal)")
+    add("--slot0-weight", type=float, default=0.1, help="soft loss: weight of slot 0, the verifier's own position "
+        "(decoding never reads it as a draft; default 0.1)")
+    add("--init-adapter", default=None, help="lora: start from this gated adapter's weights (an adapter folder "
+        "or a checkpoint; optimizer and schedule start fresh). Ignored when resuming")
+    add("--data-order", choices=("random", "sequential"), default="random", help="sequential: rows in stored order "
+        "(distill --shuffle mixes them already), so a resumed run over a dataset that grew since (shards still "
+        "landing) sees exactly the same batches")
+    add("--stop-at-step", type=int, default=None, help="save a checkpoint and stop at this step, keeping the "
+        "schedule of --max-steps (resume later with --resume auto, e.g. once more data exists)")
     add("--lora-rank", type=int, default=16)
     add("--lora-alpha", type=int, default=None, help="default: 2 x rank")
     add("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only the final model)")
@@ -103,7 +117,30 @@ def build_model(args: argparse.Namespace, ar_model, tokenizer):
         return TidarForCausalLM.from_ar(ar_model, block_size=args.block_size, tokenizer=tokenizer,
                                         ar_loss_weight=args.alpha)
     base = tidar_base_for_adapter(ar_model, tokenizer=tokenizer, block_size=args.block_size)
-    return get_gated_lora_model(base, gated_lora_config(rank=args.lora_rank, alpha=args.lora_alpha))
+    model = get_gated_lora_model(base, gated_lora_config(rank=args.lora_rank, alpha=args.lora_alpha))
+    if args.init_adapter:
+        load_adapter_weights(model, args.init_adapter)
+    return model
+
+
+def load_adapter_weights(model, folder: str) -> None:
+    """Copy a saved gated adapter's LoRA weights into ``model`` (same rank and targets), as a starting point.
+
+    Raises:
+        ValueError: the folder's weights don't match ``model``'s adapters (another rank or targets).
+    """
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    weights = Path(folder) / "adapter_model.safetensors"
+    if not weights.exists():
+        raise ValueError(f"--init-adapter {folder}: no adapter_model.safetensors there.")
+    state = {name: tensor.float() for name, tensor in load_file(weights).items()}  # exports are fp16
+    result = set_peft_model_state_dict(model, state)
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"--init-adapter {folder} does not match --lora-rank {model.peft_config['default'].r} "
+                         f"and the default targets (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}).")
 
 
 # -- data -----------------------------------------------------------------------------------------
@@ -113,7 +150,7 @@ def build_datasets(args: argparse.Namespace, tokenizer):
     """(train, held-out) datasets with ``input_ids`` and ``labels``; the held-out one may be ``None``."""
     from datasets import concatenate_datasets
 
-    from .distill import load_distilled
+    from .distill import TOPK_COLUMNS, load_distilled
 
     parts, held_out, notes = [], None, []
     if args.data:
@@ -126,10 +163,17 @@ def build_datasets(args: argparse.Namespace, tokenizer):
                 held_out = held_out.select(range(min(args.eval_samples, len(held_out))))
             except ValueError:
                 held_out = None  # too little held-out text for one sample: skip evaluation
+    columns = ["input_ids", "labels"] + (list(TOPK_COLUMNS) if args.diffusion_loss == "soft" else [])
     for path in args.distilled:
         distilled = load_distilled(path)
+        if not set(columns) <= set(distilled.column_names):
+            raise ValueError(f"{path} has no soft targets (topk_ids, topk_logprobs) for --diffusion-loss soft; "
+                             "distil with --top-k 32.")
         notes.append(f"{len(distilled)} distilled rows from {path}")
-        parts.append(distilled.select_columns(["input_ids", "labels"]))
+        parts.append(distilled.select_columns(columns))
+    if args.diffusion_loss == "soft" and args.data:
+        raise ValueError("--diffusion-loss soft trains on --distilled rows with stored top-k only; pass --data "
+                         "with no source.")
     if not parts:
         raise ValueError("No training data: give --data sources and/or --distilled datasets.")
     train = parts[0] if len(parts) == 1 else concatenate_datasets([p.cast(parts[0].features) for p in parts])
@@ -149,6 +193,18 @@ class MethodMarker(TrainerCallback):
         folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if state.is_world_process_zero and folder.exists():
             (folder / MARKER).write_text(json.dumps(self.info) + "\n")
+
+
+class StopAtStep(TrainerCallback):
+    """Save and stop at ``step`` while the LR schedule stays the one planned for ``max_steps``."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_save = True
+            control.should_training_stop = True
 
 
 def checkpoint_method(folder: Path) -> str | None:
@@ -215,6 +271,7 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         bf16=args.bf16,
         seed=args.seed,
         report_to=[],
+        train_sampling_strategy=args.data_order,
         remove_unused_columns=False,
         # Without use_cpu, accelerate leaves a CPU-only torchrun job undistributed: every process would
         # train alone on its shard, silently (checked in run_training).
@@ -222,6 +279,16 @@ def training_arguments(args: argparse.Namespace) -> TrainingArguments:
         ddp_backend="gloo" if distributed and not torch.cuda.is_available() else None,
         dataloader_drop_last=distributed,
     )
+
+
+def build_collator(args: argparse.Namespace, tokenizer):
+    """Padding per batch; with ``--diffusion-loss soft``, also the stored top-k targets and the slot weights."""
+    if args.diffusion_loss == "soft":
+        from ..losses import decaying_slot_weights
+        from .collate import SoftTargetCollator
+
+        return SoftTargetCollator(tokenizer, decaying_slot_weights(args.block_size, args.slot_decay, args.slot0_weight))
+    return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
 
 
 def run_training(args: argparse.Namespace) -> dict:
@@ -244,10 +311,13 @@ def run_training(args: argparse.Namespace) -> dict:
     trainer = Trainer(
         model=model, args=training_args, train_dataset=train_set, eval_dataset=held_out,
         processing_class=tokenizer,
-        data_collator=DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100),
+        data_collator=build_collator(args, tokenizer),
         callbacks=[
-            MethodMarker({"method": args.method, "block_size": args.block_size, "alpha": args.alpha}),
+            MethodMarker({"method": args.method, "block_size": args.block_size, "alpha": args.alpha,
+                          "diffusion_loss": args.diffusion_loss, "slot_decay": args.slot_decay,
+                          "slot0_weight": args.slot0_weight}),
             CurrentIntervals(),
+            *([StopAtStep(args.stop_at_step)] if args.stop_at_step else []),
         ],
     )
     if training_args.world_size > 1 and trainer.accelerator.num_processes != training_args.world_size:
