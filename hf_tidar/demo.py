@@ -68,6 +68,14 @@ def build_demo_model(ar_model, tokenizer, adapter: Path | None, block_size: int)
     return TidarForCausalLM.from_ar(ar_model, block_size=block_size, tokenizer=tokenizer).eval()
 
 
+def prepare_auto_layout(model) -> None:
+    """Profile this machine for ``draft_layout="auto"`` now (a no-op when its profile is cached)."""
+    from .generation.auto_layout import AutoLayout
+    from .training.gated_lora import tidar_model_of
+
+    AutoLayout.for_model(tidar_model_of(model))
+
+
 def run_demo(
     block_size: int = 4,
     max_new_tokens: int = 48,
@@ -91,10 +99,13 @@ def run_demo(
     if adapter is not None and not Path(adapter).exists():
         console.print(f"[yellow]No adapter at {adapter}: drafts are untrained, few will be accepted.[/yellow]")
         adapter = None
-    with console.status("Building the TiDAR model" + (" and measuring this machine's forward cost..." if
-                                                      draft_layout == "auto" else "...")):
+    with console.status("Building the TiDAR model" + (" (SmolLM2 + the gated adapter)..." if adapter else "...")):
         model = build_demo_model(ar_model, tokenizer, adapter, block_size)
-        layout = dict(draft_layout=draft_layout) if draft_layout else dict(draft_length=draft_length)
+    layout = dict(draft_layout=draft_layout) if draft_layout else dict(draft_length=draft_length)
+    if draft_layout == "auto":
+        # Outside the spinner: a first profile of this machine announces itself and shows its own progress bar.
+        prepare_auto_layout(model)
+    with console.status("Warming up (one short TiDAR and one AR generation, not timed)..."):
         warm = _encode(tokenizer, *prompts[0])
         model.generate(warm, max_new_tokens=8, strategy="tidar", attention_mask=torch.ones_like(warm), **layout)
         ar_model.generate(warm, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(warm))
