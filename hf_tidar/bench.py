@@ -844,12 +844,11 @@ def run_profile(model, query_lengths: Sequence[int], cache_len: int, repeats: in
 
     if not query_lengths or min(query_lengths) < 1:
         raise ValueError(f"query lengths must be positive integers, got {list(query_lengths)}.")
+    load = auto_layout.machine_load()
     costs = auto_layout.measure_forward_cost(model, sorted(set(query_lengths)), cache_len, repeats)
     saved_to = None
     if save and cache_len == auto_layout.PROFILE_CACHE_LEN:
-        path = auto_layout.cache_root() / "profiles" / f"{auto_layout._profile_key(model)}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(costs))
+        path = auto_layout.save_costs(model, costs, load)
         saved_to = f"profiles/{path.name} in the hf_tidar cache"  # not the absolute path: results get published
     base = costs[min(costs)]
     return {

@@ -15,6 +15,8 @@ from .bench import (
     load_prompt_set,
     read_prompts_file,
 )
+from .folders import add_overwrite_flag, check_output_folder
+from .generation.auto_layout import PROFILE_REPEATS
 from .generation.drafters import DRAFT_SOURCES
 
 QUICK = {"per_set": 1, "max_new_tokens": 8, "draft_length": [2, 3], "batch_size": [1, 2], "sampling": "both",
@@ -26,10 +28,11 @@ MODEL_HELP = (f"saved TiDAR model folder, AR Llama/Qwen folder (converted with u
 
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
-    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
-    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES))
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=tuple(DTYPES), help="model weights dtype")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--output", type=Path, default=None, help="folder for the JSON, markdown and PNG plots")
+    parser.add_argument("--output", type=Path, default=None, help="new or empty folder for the JSON, markdown and PNG plots")
+    add_overwrite_flag(parser)
     parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
     parser.add_argument("--markdown", action="store_true", help="print markdown tables (for BENCHMARKS.md)")
     parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (tiny model unless named)")
@@ -42,7 +45,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--draft-length", type=int, nargs="+", default=None,
                         help="TiDAR draft lengths to compare (default: 2 4 8)")
     parser.add_argument("--no-auto", action="store_true", help="skip the draft_layout='auto' row")
-    parser.add_argument("--prompt-lookup-tokens", type=int, default=4, help="prompt_lookup_num_tokens (default: 4)")
+    parser.add_argument("--prompt-lookup-tokens", type=int, default=4, help="prompt_lookup_num_tokens")
     parser.add_argument("--assistant", default=None, help="AR draft model folder for HF assisted decoding")
     parser.add_argument("--dlm-teacher", default=None, help="diffusion teacher folder (vanilla + threshold rows)")
     parser.add_argument("--cdlm-student", default=None, help="CDLM student folder (strategy='cdlm' row)")
@@ -59,7 +62,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--sets", nargs="+", choices=PROMPT_SETS, default=list(PROMPT_SETS),
                         help="shipped prompt sets to use (default: all)")
     parser.add_argument("--per-set", type=int, default=None, help="prompts taken from each set (default: 3)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed (sampling rows)")
     parser.add_argument("--cpu-linears", action="store_true",
                         help="run every model on the measured CPU linear path (hf_tidar.cpu); adds an ar-stock-linears row")
     parser.add_argument("--draft-source", nargs="+", default=["diffusion"], choices=DRAFT_SOURCES,
@@ -80,7 +83,8 @@ def add_profile_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--query-lengths", type=int, nargs="+", default=None,
                         help="query lengths to time (default: the auto layout's grid up to k*(k+1))")
     parser.add_argument("--cache-len", type=int, default=None, help="cached tokens (default: 256; 32 with --quick)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed runs per length (default: 3)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help=f"timed runs per length (default: {PROFILE_REPEATS}; 1 with --quick)")
     parser.add_argument("--no-save", action="store_true", help="do not store the curve for draft_layout='auto'")
     return parser
 
@@ -132,7 +136,8 @@ def command_line(command: str, args: argparse.Namespace, parser: argparse.Argume
     if args.model:
         parts.append(args.model)
     for action in parser._actions:
-        if not action.option_strings or action.dest in ("help", "json", "markdown", "no_progress", "from_json"):
+        if not action.option_strings or action.dest in ("help", "json", "markdown", "no_progress", "from_json",
+                                                        "overwrite"):
             continue
         value = getattr(args, action.dest, None)
         if value == action.default:
@@ -145,6 +150,12 @@ def command_line(command: str, args: argparse.Namespace, parser: argparse.Argume
     return shlex.join(parts)
 
 
+def _check_output(args: argparse.Namespace) -> None:
+    """Refuse an ``--output`` that is the model folder, or a folder that holds anything, unless ``--overwrite``."""
+    if args.output is not None:
+        check_output_folder(args.output, sources=[args.model], overwrite=args.overwrite)
+
+
 def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hf-tidar bench``: run, print the table (or JSON / markdown), write the files."""
     from rich.console import Console
@@ -153,6 +164,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .bench_report import markdown, print_console, write_outputs
 
     console = Console(stderr=args.json or args.markdown)
+    _check_output(args)
     if args.from_json is not None:
         results = json.loads(args.from_json.read_text())
         command = results.get("command")
@@ -177,10 +189,11 @@ def run_profile_command(args: argparse.Namespace, parser: argparse.ArgumentParse
     """``hf-tidar profile``: the forward cost curve, printed and (with ``--output``) plotted."""
     from .bench import load_models, run_profile
     from .bench_report import plot_cost_curve, print_profile, profile_markdown
-    from .generation.auto_layout import PROFILE_CACHE_LEN, PROFILE_REPEATS, _grid
+    from .generation.auto_layout import PROFILE_CACHE_LEN, _grid
 
     if args.draft_length < 1:
         raise ValueError(f"--draft-length must be >= 1, got {args.draft_length}.")
+    _check_output(args)
     config = BenchConfig(model=args.model or ("tiny" if args.quick else "smollm2"), device=args.device,
                          dtype=args.dtype, draft_lengths=[args.draft_length], prompts=[],
                          threads=_pick(args.threads, QUICK["threads"], None, args.quick))

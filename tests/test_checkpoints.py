@@ -43,6 +43,21 @@ def test_smollm2_tidar_equals_original_greedy():
     assert out.forward_passes.item() == len(out.accepted_lengths[0]) <= 11
 
 
+def test_smollm2_is_a_plain_float32_model_that_saves_reloads_and_saves_again(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    ar, tokenizer = load_smollm2(quiet=True)
+    assert "quantization_config" not in ar.config.to_dict() and ar.dtype == torch.float32
+    assert getattr(ar, "hf_quantizer", None) is None
+    ar.save_pretrained(tmp_path / "ar")
+    TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=tokenizer).save_pretrained(tmp_path / "tidar")
+    config = json.loads((tmp_path / "tidar" / "config.json").read_text())
+    assert "quantization_config" not in config and "quantization_config" not in config["text_config"]
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tidar", dtype=torch.bfloat16)
+    assert getattr(reloaded, "hf_quantizer", None) is None and reloaded.dtype == torch.bfloat16
+    reloaded.save_pretrained(tmp_path / "again")
+
+
 def test_demo_runs_and_reports_identical_output(capsys):
     assert main(["demo", "--prompts", "1", "--max-new-tokens", "8", "--json", "--no-install"]) == 0
     rows = json.loads(capsys.readouterr().out)

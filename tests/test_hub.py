@@ -1,6 +1,7 @@
 """Model cards, Hub publishing (intercepted at the HfApi boundary), pipeline / streamer use, card & push CLI."""
 
 import contextlib
+import functools
 import hashlib
 import io
 import json
@@ -29,7 +30,12 @@ from hf_tidar.hub import (
     set_default_strategy,
 )
 from hf_tidar.training import byte_level_tokenizer
-from hf_tidar.training.gated_lora import get_gated_lora_model, save_gated_lora, tidar_base_for_adapter
+from hf_tidar.training.gated_lora import (
+    get_gated_lora_model,
+    load_tidar_adapter,
+    save_gated_lora,
+    tidar_base_for_adapter,
+)
 
 REPO = "tester/tiny-tidar"
 PROMPT = "def fibonacci(n):"
@@ -381,3 +387,125 @@ def test_cdlm_card_snippet_runs(tmp_path):
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     expected = student.generate(ids, max_new_tokens=32, strategy="cdlm", threshold=0.9)
     assert printed.rpartition("\ntokens per forward pass: ")[0] == tokenizer.decode(expected[0], skip_special_tokens=True)
+
+
+# -- what every card claims is what the code does ---------------------------------------------------
+
+SAMPLING_CLAIM = re.compile(r"[Ss]ampling \(`do_sample=True`[^)]*\) (works|raises a `ValueError`)")
+BATCH_CLAIM = re.compile(r"[Ll]eft-padded batches work")
+BEAM_CLAIM = re.compile(r"[Bb]eam search raises a `ValueError`")
+DEFAULT_CLAIM = re.compile(r"\| default decoding strategy \| (.+?) \|")
+
+
+def _strategy_used(model, ids, monkeypatch, **kwargs) -> str:
+    """Which decode loop ``generate`` ran: ``ar`` (transformers' own) or one of the strategy loops."""
+    from hf_tidar.generation import mixin
+
+    used, loops = [], mixin._strategy_loops
+
+    def spying_loops():
+        def spy(name, loop):
+            @functools.wraps(loop)
+            def wrapper(*args, **kw):
+                used.append(name)
+                return loop(*args, **kw)
+            return wrapper
+        return {name: spy(name, loop) for name, loop in loops().items()}
+
+    monkeypatch.setattr(mixin, "_strategy_loops", spying_loops)
+    model.generate(ids, max_new_tokens=3, **kwargs)
+    monkeypatch.setattr(mixin, "_strategy_loops", loops)
+    return used[0] if used else "ar"
+
+
+def _check_generation_claims(card_text: str, model, strategy: str) -> None:
+    tokenizer = byte_level_tokenizer()
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    run = dict(max_new_tokens=3, strategy=strategy)
+    sampling = SAMPLING_CLAIM.search(card_text)
+    assert sampling and BATCH_CLAIM.search(card_text) and BEAM_CLAIM.search(card_text), card_text
+    if sampling.group(1) == "works":
+        model.generate(ids, do_sample=True, top_k=5, **run)
+    else:
+        with pytest.raises(ValueError):
+            model.generate(ids, do_sample=True, **run)
+    tokenizer.padding_side = "left"
+    batch = tokenizer([PROMPT, "x = 1"], return_tensors="pt", padding=True)
+    assert model.generate(**batch, **run).shape[0] == 2
+    with pytest.raises(ValueError):
+        model.generate(ids, num_beams=2, do_sample=False, **run)
+
+
+def _check_default_claim(card_text: str, folder: Path, kind: str, monkeypatch) -> None:
+    """The card's default-strategy row against a model loaded from the files it is published with."""
+    claim = DEFAULT_CLAIM.search(card_text).group(1)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    ids = byte_level_tokenizer()(PROMPT, return_tensors="pt")["input_ids"]
+    stated = re.match(r"`(\w+)` \(set in `generation_config.json`\)", claim)
+    if stated:
+        assert _strategy_used(model, ids, monkeypatch) == stated.group(1)
+        return
+    assert claim.startswith("none in `generation_config.json`: pass ")
+    suggested = re.search(r'strategy="(\w+)"', claim).group(1)
+    assert GenerationConfig.from_pretrained(folder).to_dict().get("strategy") is None
+    assert _strategy_used(model, ids, monkeypatch, strategy=suggested) == suggested
+    if kind == "tidar":
+        assert _strategy_used(model, ids, monkeypatch) == "ar"  # no default: transformers' own loop
+
+
+def _published_copy(folder: Path, target: Path, strategy=None) -> tuple[Path, str]:
+    """What `push` would upload, written to ``target``; returns the folder and its card."""
+    plan = plan_upload(folder, CardInputs(repo_id=REPO, base_model="tester/tiny-ar"), strategy)
+    target.mkdir()
+    for name, source in plan.files.items():
+        (target / name).write_bytes(source if isinstance(source, bytes) else Path(source).read_bytes())
+    return target, (target / "README.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def cdlm_folder(tmp_path_factory):
+    from hf_tidar import CdlmForCausalLM
+
+    folder = tmp_path_factory.mktemp("cdlm")
+    tokenizer = byte_level_tokenizer()
+    teacher = CdlmForCausalLM.from_ar(tiny_ar_model(vocab_size=len(tokenizer)).float(), block_size=4, tokenizer=tokenizer)
+    CdlmForCausalLM.from_dlm(teacher).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["tidar", "cdlm"])
+def test_every_model_card_claims_what_the_code_does(kind, folders, cdlm_folder, tmp_path, monkeypatch):
+    folder = folders / "tidar" if kind == "tidar" else cdlm_folder
+    local = render_card(folder, CardInputs(repo_id=REPO)).text  # a card for the folder as it is
+    published_folder, published = _published_copy(folder, tmp_path / "published")  # and as `push` uploads it
+    assert "none in `generation_config.json`" in local and f"`{kind}` (set in" in published
+    for text, where in ((local, folder), (published, published_folder)):
+        _check_default_claim(text, where, kind, monkeypatch)
+        _check_generation_claims(text, AutoModelForCausalLM.from_pretrained(where), kind)
+    _, pushed_as_ar = _published_copy(folder, tmp_path / "as-ar", strategy="ar") if kind == "tidar" else (None, None)
+    if pushed_as_ar:
+        assert "`ar` (set in `generation_config.json`)" in pushed_as_ar
+
+
+def test_the_adapter_card_claims_what_the_code_does(folders, monkeypatch):
+    card = render_card(folders / "adapter", CardInputs(repo_id=REPO, base_model="tester/tiny-ar")).text
+    model = load_tidar_adapter(AutoModelForCausalLM.from_pretrained(folders / "ar"), folders / "adapter",
+                               tokenizer=byte_level_tokenizer())
+    _check_generation_claims(card, model, "tidar")
+    assert 'unless you pass `strategy="tidar"`' in card
+    ids = byte_level_tokenizer()(PROMPT, return_tensors="pt")["input_ids"]
+    assert _strategy_used(model, ids, monkeypatch) == "ar"
+
+
+def test_the_pipeline_samples_unless_told_not_to(folders):
+    """docs/hub.md: the pipeline turns sampling on, so pass do_sample=False for generate's greedy text."""
+    from transformers import set_seed
+
+    model = AutoModelForCausalLM.from_pretrained(folders / "tidar")
+    generator = pipeline("text-generation", model=model, tokenizer=byte_level_tokenizer())
+    texts = []
+    for options in ({}, {"do_sample": True}, {"do_sample": False}):
+        set_seed(0)
+        texts.append(generator(PROMPT, max_new_tokens=12, strategy="tidar", **options)[0]["generated_text"])
+    assert texts[0] == texts[1] != texts[2]

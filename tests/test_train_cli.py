@@ -14,7 +14,7 @@ from hf_tidar.training.gated_lora import load_tidar_adapter
 from hf_tidar.training.train import load_starting_point, main
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_tidar.py"
-SMALL = ["--max-files", "6", "--seq-len", "32", "--batch-size", "4", "--logging-steps", "1", "--eval-samples", "0"]
+SMALL = ["--model", "tiny", "--max-files", "6", "--seq-len", "32", "--batch-size", "4", "--logging-steps", "1", "--eval-samples", "0"]
 
 
 def _run(tmp_path, capsys, *extra):
@@ -62,7 +62,7 @@ def test_gated_lora_training_is_lossless_and_resume_checks_the_method(tmp_path, 
 
 
 def test_cli_reports_bad_block_size(tmp_path, capsys):
-    code = cli_main(["train", "--seq-len", "30", "--block-size", "4", "--output", str(tmp_path), "--max-files", "2"])
+    code = cli_main(["train", "--model", "tiny", "--seq-len", "30", "--block-size", "4", "--output", str(tmp_path), "--max-files", "2"])
     assert code == 1 and "not a multiple of block_size=4" in capsys.readouterr().err
 
 

@@ -14,24 +14,43 @@ expectation of ``a`` under its stationary distribution.
 The layout maximising ``E[tokens per pass] / cost(q)`` is re-chosen every few passes. Candidates are
 ``k = 1..block_size`` with groups ``{1..g}``: acceptance probabilities fall with depth, so the groups
 for small accepted counts are the ones worth their compute. Costs are measured at batch size 1.
+
+Profiling takes up to a minute on a small CPU; it says so in one log line (with where the profile is
+cached) and shows a progress bar on a terminal. A profile records the machine's load average and how
+noisy its timings were; one that looks skewed (measured on a busy machine) is measured again once the
+machine is quieter.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import os
+import sys
 import time
+from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
+from .._logging import get_logger
 from ..cache import DraftCache
 from ..checkpoints import cache_root
 from .layout import DraftLayout
+
+logger = get_logger(__name__)
 
 REPLAN_EVERY = 8  # passes between layout choices
 PROFILE_CACHE_LEN = 256  # cached tokens the cost is measured against
 PROFILE_REPEATS = 5
 LM_HEAD_ROWS = 9  # rows the LM head is timed on, against one row, for its per-row cost
+PROBE_RUNS = 4  # prefills timed before profiling (the first warms up): the time estimate and a noise reading
+#: a 1-minute load average above this many runnable tasks per core means other work skewed the timings
+SKEWED_LOAD_PER_CPU = 1.5
+#: repeated prefill timings spread by more than this fraction of their median, or a cost curve that falls by
+#: more than it from one query length to the next (it should rise), mean the timings were noisy
+NOISY_SPREAD = 0.3
 
 
 def _grid(max_query: int) -> list[int]:
@@ -121,8 +140,9 @@ def sync_device(device: torch.device) -> None:
 
 
 #: bumped when what a profile measures changes, so older cached curves are measured again
-#: (2: the LM head gets compact rows, which changed bf16 costs on CPUs several-fold)
-PROFILE_VERSION = 2
+#: (2: the LM head gets compact rows, which changed bf16 costs on CPUs several-fold;
+#: 3: profiles record the machine load and timing noise they were measured under)
+PROFILE_VERSION = 3
 
 
 def _profile_key(model) -> str:
@@ -136,17 +156,142 @@ def _profile_key(model) -> str:
             f"-t{torch.get_num_threads()}{linears}")
 
 
+def profile_path(model) -> Path:
+    """Where the cost curve of ``model`` (on its device, dtype, attention and thread count) is cached."""
+    return cache_root() / "profiles" / f"{_profile_key(model)}.json"
+
+
 def load_or_measure_costs(model, max_query: int) -> dict[int, float]:
-    """The model's cost curve up to ``max_query`` query tokens, measured once and cached on disk."""
-    path = cache_root() / "profiles" / f"{_profile_key(model)}.json"
-    if path.exists():
-        stored = {int(q): t for q, t in json.loads(path.read_text()).items()}
-        if max(stored) >= max_query:
-            return stored
-    costs = measure_forward_cost(model, _grid(max_query))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(costs))
+    """The model's cost curve up to ``max_query`` query tokens, measured once and cached on disk.
+
+    A cached curve that looks skewed (:func:`skew_reason`) is measured again, once, when the machine is not
+    overloaded now; otherwise it is used, with a warning that says how to re-measure it.
+    """
+    path = profile_path(model)
+    stored, reason = _read_profile(path), None
+    if stored is not None and max(stored["seconds"]) >= max_query:
+        reason = skew_reason(stored)
+        if reason is None:
+            return stored["seconds"]
+        if stored.get("remeasured") or _overloaded(machine_load()):
+            _warn_skewed_once(str(path), reason)
+            return stored["seconds"]
+        logger.info(f"The cached cost profile looks skewed ({reason}); measuring it again.")
+    return measure_and_save_costs(model, _grid(max_query), remeasured=reason is not None)
+
+
+def measure_and_save_costs(model, query_lengths: list[int], remeasured: bool = False) -> dict[int, float]:
+    """:func:`measure_forward_cost` at ``query_lengths``, announced and with progress, cached with the machine load."""
+    path = profile_path(model)
+    probe, probe_spread = _probe_prefill(model)
+    estimate = probe * len(query_lengths) * (PROFILE_REPEATS + 1)
+    logger.info(
+        f"draft_layout='auto': measuring this machine's forward cost for this model (about {_duration(estimate)}, "
+        f"once per model, device, dtype and thread count). It is cached in {path}; delete that file (or run "
+        "`hf-tidar profile` with the same model, --dtype and --threads) to measure it again."
+    )
+    before = machine_load()
+    costs: dict[int, float] = {}
+    bar = tqdm(query_lengths, desc="Profiling forward cost", unit="length", disable=not _stderr_is_terminal(),
+               leave=False)
+    for q in bar:  # one length at a time, for the progress bar
+        costs.update(measure_forward_cost(model, [q]))
+    save_costs(model, costs, before, probe_spread, remeasured)
     return costs
+
+
+def save_costs(model, costs: dict[int, float], load: dict | None = None, probe_spread: float = 0.0,
+               remeasured: bool = False) -> Path:
+    """Cache ``costs`` where ``draft_layout="auto"`` reads them, with the load they were measured under.
+
+    ``load`` is :func:`machine_load` from before the measurement; the load after it (less this process's own
+    threads) is taken into account too, for work that started meanwhile.
+    """
+    load = load or machine_load()
+    after = machine_load()
+    if load["loadavg"] is not None and after["loadavg"] is not None:
+        load = {**load, "loadavg": max(load["loadavg"], after["loadavg"] - torch.get_num_threads())}
+    profile = {"seconds": {str(q): t for q, t in sorted(costs.items())}, **load,
+               "spread": max(probe_spread, _largest_drop(costs)), "remeasured": remeasured}
+    path = profile_path(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(json.dumps(profile, indent=1))
+    partial.replace(path)
+    return path
+
+
+def _read_profile(path: Path) -> dict | None:
+    """A cached profile with integer query lengths, or ``None`` (missing or unreadable: measured again)."""
+    try:
+        profile = json.loads(path.read_text())
+        profile["seconds"] = {int(q): float(t) for q, t in profile["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return profile if profile["seconds"] else None
+
+
+def machine_load() -> dict:
+    """The 1-minute load average (``None`` where the OS has none) and the cores this process may use."""
+    try:
+        loadavg = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        loadavg = None
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"loadavg": loadavg, "cpus": cpus}
+
+
+def _overloaded(load: dict) -> bool:
+    return load.get("loadavg") is not None and load["loadavg"] > SKEWED_LOAD_PER_CPU * load.get("cpus", 1)
+
+
+def skew_reason(profile: dict) -> str | None:
+    """Why a cached profile's timings can't be trusted (a busy machine, noisy timings), or ``None``."""
+    if _overloaded(profile):
+        return f"measured under a load average of {profile['loadavg']} on {profile['cpus']} cores"
+    if profile.get("spread", 0.0) > NOISY_SPREAD:
+        return f"its repeated timings varied by {profile['spread']:.0%}"
+    return None
+
+
+@functools.cache
+def _warn_skewed_once(path: str, reason: str) -> None:
+    logger.warning(
+        f"The cached forward-cost profile for draft_layout='auto' looks skewed ({reason}), so the chosen draft "
+        f"layouts may be slower than they could be. Measure it again on a quieter machine: delete {path}, or run "
+        "`hf-tidar profile` with the same model, --dtype and --threads."
+    )
+
+
+@torch.no_grad()
+def _probe_prefill(model) -> tuple[float, float]:
+    """Median seconds of a ``PROFILE_CACHE_LEN``-token prefill (each profile step runs one) and their spread."""
+    vocab = model.config.get_text_config().vocab_size
+    prompt = torch.randint(0, vocab, (1, PROFILE_CACHE_LEN), device=model.device)
+    times = []
+    for _ in range(PROBE_RUNS):
+        sync_device(model.device)
+        start = time.perf_counter()
+        model.model(input_ids=prompt, cache=DraftCache(config=model.config.get_text_config()), use_cache=True)
+        sync_device(model.device)
+        times.append(time.perf_counter() - start)
+    times = sorted(times[1:])  # the first run warms up
+    median = times[len(times) // 2]
+    return median, (times[-1] - times[0]) / median if median > 0 else 0.0
+
+
+def _largest_drop(costs: dict[int, float]) -> float:
+    """The largest relative fall of the cost from one query length to the next longer one (0 if it never falls)."""
+    values = [costs[q] for q in sorted(costs)]
+    return max([0.0] + [(a - b) / a for a, b in zip(values, values[1:], strict=False) if a > 0])
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(1, round(seconds))} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _stderr_is_terminal() -> bool:
+    return bool(getattr(sys.stderr, "isatty", None)) and sys.stderr.isatty()
 
 
 def interpolate(costs: dict[int, float], q: int) -> float:

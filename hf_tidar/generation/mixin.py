@@ -13,7 +13,7 @@ import functools
 from collections.abc import Callable
 
 import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList, StopStringCriteria
+from transformers import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
 from .outputs import StrategyGenerateOutput
@@ -125,6 +125,19 @@ class StrategyGenerationMixin:
         """
         processors = super()._get_logits_processor(*args, **kwargs)
         return LogitsProcessorList([MaskTokenSuppressor(self.require_mask_token_id()), *processors])
+
+    def _get_stopping_criteria(self, *args, **kwargs) -> StoppingCriteriaList:
+        """transformers' criteria, with the backbone's position limit in the max-length one.
+
+        transformers reads ``config.max_position_embeddings``, which a nested-backbone config lacks; without
+        this, generating past the limit would go unreported on both the AR and the TiDAR path.
+        """
+        criteria = super()._get_stopping_criteria(*args, **kwargs)
+        limit = getattr(self.config.get_text_config(), "max_position_embeddings", None)
+        for criterion in criteria:
+            if isinstance(criterion, MaxLengthCriteria) and criterion.max_position_embeddings is None:
+                criterion.max_position_embeddings = limit
+        return criteria
 
     # -- checks -----------------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from datasets import Dataset, Features, Sequence as DatasetSequence, Value, concatenate_datasets, load_from_disk
 
+from ..folders import add_overwrite_flag, check_output_folder
 from .corpus import DEFAULT_HELD_OUT_FRACTION, Document
 
 IGNORE_INDEX = -100
@@ -291,9 +292,11 @@ def load_distilled(path: str | Path) -> Dataset:
 def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The self-distillation options (shared by ``hf-tidar distill`` and ``python -m hf_tidar.training.distill``)."""
     parser.add_argument("--model", default="smollm2", help="AR checkpoint folder, or 'smollm2' (default)")
-    parser.add_argument("--output", required=True, help="folder for the dataset (resumes if it exists)")
+    parser.add_argument("--output", required=True, help="new or empty folder for the dataset; a folder of an "
+                        "earlier run of the same command resumes it")
+    add_overwrite_flag(parser)
     parser.add_argument("--data", nargs="+", default=["stdlib"], help="sources to cut prompts from (default: stdlib)")
-    parser.add_argument("--code-prompts", type=int, default=3000)
+    parser.add_argument("--code-prompts", type=int, default=3000, help="code prompts cut from the train files")
     parser.add_argument("--chat-prompts", type=int, default=3000, help="needs a tokenizer with a chat template")
     parser.add_argument("--instruction-prompts", type=int, default=0,
                         help="'Write a function `f(args)` that ...' requests from docstrings (chat template)")
@@ -305,7 +308,7 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--top-k", type=int, default=0,
                         help="keep the model's top-k next-token distribution per target token (soft targets; 32)")
     parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION, help="documents never used for prompts")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the prompt choice")
     parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     return parser
 
@@ -316,6 +319,8 @@ def run_distill(args: argparse.Namespace) -> int:
 
     from .corpus import load_corpus
 
+    check_output_folder(args.output, sources=[args.model, *args.data], overwrite=getattr(args, "overwrite", False),
+                        resuming=(Path(args.output) / MANIFEST).exists())
     if args.model == "smollm2":
         from ..checkpoints import load_smollm2
 

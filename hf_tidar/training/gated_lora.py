@@ -31,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .._quiet import ignore_warnings
 
 GATE_FILE = "tidar_gate.json"
 """Written next to ``adapter_config.json``: mask token, block size and the base model's architecture."""
@@ -101,6 +102,16 @@ def _gate_embedding(gate: MaskGate):
         return torch.where(gate.is_mask[..., None], output, base)
 
     return hook
+
+
+def _quiet_peft():
+    """Wrapping a TiDAR model in PEFT: ignore the two warnings that are about PEFT itself, not the user's setup.
+
+    * a LoRA on a tied embedding isn't mirrored to ``lm_head``: for the gated ``[MASK]`` embedding that is the
+      point (the LM head must stay the base model's);
+    * PEFT reads transformers' deprecated ``is_gradient_checkpointing`` (a FutureWarning for PEFT to fix).
+    """
+    return ignore_warnings(".*ensure_weight_tying", ".*is_gradient_checkpointing.* is deprecated")
 
 
 def tidar_model_of(model: nn.Module) -> nn.Module:
@@ -183,9 +194,7 @@ def get_gated_lora_model(tidar_model: nn.Module, lora_config=None, adapter_name:
     check_gated_lora_config(config)
     tidar_model.require_mask_token_id()
     tidar_model.config.ar_loss_weight = 0.0
-    with warnings.catch_warnings():
-        # PEFT warns that a LoRA on a tied embedding isn't mirrored to lm_head; here that is the point.
-        warnings.filterwarnings("ignore", message=".*ensure_weight_tying.*")
+    with _quiet_peft():
         peft_model = get_peft_model(tidar_model, config, adapter_name=adapter_name)
     install_mask_gate(peft_model)
     return peft_model
@@ -310,7 +319,8 @@ def load_gated_lora(tidar_model: nn.Module, folder: str | os.PathLike, is_traina
     check_base_matches(tidar_model, info, folder)
     tidar_model.config.block_size = int(info["block_size"])
     tidar_model.config.ar_loss_weight = 0.0
-    peft_model = PeftModel.from_pretrained(tidar_model, str(folder), is_trainable=is_trainable)
+    with _quiet_peft():
+        peft_model = PeftModel.from_pretrained(tidar_model, str(folder), is_trainable=is_trainable)
     install_mask_gate(peft_model)
     return peft_model
 
@@ -381,7 +391,8 @@ def export_gated_adapter(checkpoint: str | os.PathLike, base_tidar: nn.Module, o
     from safetensors.torch import load_file, save_file
 
     check_gated_lora_config(saved_lora_config(checkpoint), str(checkpoint))
-    peft_model = PeftModel.from_pretrained(base_tidar, str(checkpoint))
+    with _quiet_peft():
+        peft_model = PeftModel.from_pretrained(base_tidar, str(checkpoint))
     install_mask_gate(peft_model)
     save_gated_lora(peft_model, output)
     weights = Path(output) / "adapter_model.safetensors"

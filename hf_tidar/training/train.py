@@ -24,6 +24,7 @@ import torch
 from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
+from ..folders import add_overwrite_flag, check_output_folder
 from .callbacks import CurrentIntervals, HybridLossLogger
 from .corpus import DEFAULT_HELD_OUT_FRACTION, STDLIB, load_corpus, packed_dataset
 
@@ -37,11 +38,13 @@ SMOLLM2 = "smollm2"
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``train`` options to ``parser`` (shared by ``hf-tidar train`` and ``examples/train_tidar.py``)."""
     add = parser.add_argument
-    add("--model", default=TINY, help="AR checkpoint folder (or hub id), 'smollm2', or 'tiny' (a fresh 4-layer "
-        "Llama with a byte tokenizer, for smoke tests; default)")
+    add("--model", required=True, help="AR checkpoint folder (or hub id), 'smollm2', or 'tiny' (a fresh, random "
+        "2-layer Llama with a byte tokenizer: for smoke tests only)")
     add("--method", choices=METHODS, default="full", help="full continual pretraining, or lossless gated LoRA")
-    add("--output", default="outputs/tidar", help="output folder (checkpoints go under it too)")
-    add("--block-size", type=int, default=4, help="diffusion block size B (default: 4)")
+    add("--output", required=True, help="new or empty output folder (checkpoints go under it too); with --resume, "
+        "the folder of the run to continue")
+    add_overwrite_flag(parser)
+    add("--block-size", type=int, default=4, help="diffusion block size B")
     add("--alpha", type=float, default=1.0, help="AR loss weight in (alpha*L_AR + L_Diff)/(1+alpha); full only")
     add("--data", nargs="*", default=[STDLIB], help="text sources: files, folders, .jsonl, a saved dataset or a "
         "dataset name; 'stdlib' = the Python standard library's source (default). Empty: --distilled only")
@@ -51,10 +54,10 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION, help="documents kept out of training (hash split; the stdlib split is pinned at the default)")
     add("--seq-len", type=int, default=256, help="packed sample length; must be a multiple of --block-size")
     add("--batch-size", type=int, default=8, help="per-device batch size")
-    add("--grad-accum", type=int, default=1)
+    add("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     add("--learning-rate", type=float, default=None, help="default: 1e-5 full, 1e-3 lora")
-    add("--max-steps", type=int, default=100)
-    add("--warmup-ratio", type=float, default=0.01)
+    add("--max-steps", type=int, default=100, help="optimizer steps to train")
+    add("--warmup-ratio", type=float, default=0.01, help="fraction of the steps spent warming the LR up")
     add("--lr-scheduler", default="cosine", help="any transformers scheduler name (default: cosine, as the paper)")
     add("--diffusion-loss", choices=DIFFUSION_LOSSES, default="ce", help="ce: cross-entropy against the clean "
         "token (default); soft: KL to the base model's stored top-k (distill --top-k) + CE, slot-weighted")
@@ -69,15 +72,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
         "landing) sees exactly the same batches")
     add("--stop-at-step", type=int, default=None, help="save a checkpoint and stop at this step, keeping the "
         "schedule of --max-steps (resume later with --resume auto, e.g. once more data exists)")
-    add("--lora-rank", type=int, default=16)
+    add("--lora-rank", type=int, default=16, help="LoRA rank r (--method lora)")
     add("--lora-alpha", type=int, default=None, help="default: 2 x rank")
     add("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only the final model)")
-    add("--save-total-limit", type=int, default=2)
+    add("--save-total-limit", type=int, default=2, help="checkpoints kept (the oldest are deleted)")
     add("--resume", default=None, help="checkpoint folder to resume from, or 'auto' (the last one in --output)")
-    add("--logging-steps", type=int, default=10)
+    add("--logging-steps", type=int, default=10, help="steps between loss logs")
     add("--eval-samples", type=int, default=64, help="held-out packed samples evaluated at the end (0: none)")
     add("--bf16", action="store_true", help="bf16 mixed precision (GPUs / CPUs that support it)")
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=0, help="random seed (data order, initialisation)")
     add("--json", action="store_true", help="print the final summary as JSON")
     return parser
 
@@ -300,6 +303,8 @@ def run_training(args: argparse.Namespace) -> dict:
 
     if args.method == "lora" and args.alpha != 1.0:
         raise ValueError("--alpha has no effect with --method lora (only the diffusion loss trains); drop it.")
+    check_output_folder(args.output, sources=[args.model, *args.data, *args.distilled],
+                        overwrite=getattr(args, "overwrite", False), resuming=bool(args.resume))
     resume = resolve_resume(args)
     ar_model, tokenizer = load_starting_point(args.model)
     if tokenizer.pad_token_id is None:
