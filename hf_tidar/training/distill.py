@@ -29,7 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from datasets import Dataset, Features, Sequence as DatasetSequence, Value, concatenate_datasets, load_from_disk
+from datasets import Dataset, Features, Value, concatenate_datasets, load_from_disk
+from datasets import Sequence as DatasetSequence
 
 from ..folders import add_overwrite_flag, check_output_folder
 from .corpus import DEFAULT_HELD_OUT_FRACTION, Document
