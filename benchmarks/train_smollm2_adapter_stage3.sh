@@ -3,6 +3,8 @@
 #
 #   DATA=runs/distill-soft OUT=runs/adapter-soft bash benchmarks/train_smollm2_adapter_stage3.sh distill
 #   DATA=runs/distill-soft OUT=runs/adapter-soft bash benchmarks/train_smollm2_adapter_stage3.sh train
+#   bash benchmarks/train_smollm2_adapter_stage3.sh bench ADAPTER_FOLDER_OR_shipped RESULTS_FOLDER
+#   bash benchmarks/train_smollm2_adapter_stage3.sh export CHECKPOINT_FOLDER ADAPTER_FOLDER
 #
 # distill: 3,500 prompts cut from the standard library's train split (1,500 code windows, 1,000 chat
 #   questions, 1,000 "Write a function `f(args)` that ..." requests from docstrings), shuffled so every
@@ -17,13 +19,17 @@
 #   leaves the later slots some signal. Rows in stored order. It runs alongside the distillation: each round trains up to the last step the
 #   finished shards can feed (8 rows a step, never a row twice), saves, and waits for the next shard;
 #   a round resumes the previous one exactly (optimizer, cosine schedule over STEPS, data position).
-# Both were run with one thread each (OMP_NUM_THREADS=1) on a shared 2-core CPU.
+# Both were run with one thread each (OMP_NUM_THREADS=1) on a 2-core CPU shared with other jobs (often
+# paused for benchmarks): a step took 30 s of CPU but 1-3 minutes of wall time. The distillation was
+# stopped after 3 of its 28 shards (384 rows) so that training had the CPU; rerunning `distill` resumes
+# it at shard 4. Training planned 64 steps (cosine) and was re-planned to 32 at its checkpoint-10
+# (STEPS=32, resumed from checkpoint-10; the schedule continues from step 10 on the shorter plan).
 set -euo pipefail
 
 TIDAR=${TIDAR:-hf-tidar}
 DATA=${DATA:-outputs/distill-soft}
 OUT=${OUT:-outputs/adapter-soft}
-STEPS=${STEPS:-64}
+STEPS=${STEPS:-32}
 BATCH=${BATCH:-8}
 SHIPPED=${SHIPPED:-hf_tidar/adapters/smollm2-135m-instruct-tidar-b4}
 PIDS=${PIDS:-/dev/null}   # a file to append each worker's PID to (so others can pause it)
@@ -73,4 +79,27 @@ train() {
   done
 }
 
-"${1:?usage: $0 distill|train}"
+bench() {  # per-slot acceptance on the held-out code and chat prompts, one thread
+  $TIDAR bench smollm2 --adapter "$1" --sets code chat --per-set 3 --max-new-tokens 48 --methods tidar-k4 \
+    --draft-length 4 --no-auto --repeats 1 --threads 1 --no-progress --output "$2" --json
+}
+
+export_adapter() {  # a Trainer checkpoint -> an adapter folder (adapter weights in fp16 + the gate file)
+  ${PYTHON:-python} - "$1" "$2" <<'PY'
+import sys
+
+from hf_tidar.checkpoints import load_smollm2
+from hf_tidar.training.gated_lora import export_gated_adapter, tidar_base_for_adapter
+
+ar, tokenizer = load_smollm2(quiet=True)
+export_gated_adapter(sys.argv[1], tidar_base_for_adapter(ar, tokenizer=tokenizer, block_size=4), sys.argv[2])
+print("adapter written to", sys.argv[2])
+PY
+}
+
+case "${1:?usage: $0 distill|train|bench ADAPTER OUT|export CHECKPOINT ADAPTER}" in
+  distill|train) "$1" ;;
+  bench) bench "${2:?adapter}" "${3:?results folder}" ;;
+  export) export_adapter "${2:?checkpoint}" "${3:?adapter folder}" ;;
+  *) echo "unknown stage $1" >&2; exit 2 ;;
+esac
