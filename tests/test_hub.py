@@ -391,9 +391,9 @@ def test_cdlm_card_snippet_runs(tmp_path):
 
 # -- what every card claims is what the code does ---------------------------------------------------
 
-SAMPLING_CLAIM = re.compile(r"[Ss]ampling \(`do_sample=True`[^)]*\) (works|raises a `ValueError`)")
-BATCH_CLAIM = re.compile(r"[Ll]eft-padded batches work")
-BEAM_CLAIM = re.compile(r"[Bb]eam search raises a `ValueError`")
+SAMPLING_CLAIM = re.compile(r"[Ss]ampling\s+\(`do_sample=True`[^)]*\)\s+(works|raises\s+a\s+`ValueError`)")
+BATCH_CLAIM = re.compile(r"[Ll]eft-padded\s+batches\s+work")
+BEAM_CLAIM = re.compile(r"[Bb]eam\s+search\s+raises\s+a\s+`ValueError`")
 DEFAULT_CLAIM = re.compile(r"\| default decoding strategy \| (.+?) \|")
 
 

@@ -1,4 +1,4 @@
-"""Every rendering of every TiDAR layout against a slow reference written from DESIGN.md's tables."""
+"""Every rendering of every TiDAR layout against a slow reference written from the tables in docs/masks.md."""
 
 import pytest
 import torch

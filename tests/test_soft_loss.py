@@ -131,7 +131,7 @@ def test_train_cli_soft_loss_from_distilled_rows_and_exact_resume(tmp_path, caps
     ids = (torch.randint(0, 200, (24, 1), generator=generator) + torch.arange(20)) % 250
     rows = _soft_batch(ids, prompt=8)
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "soft"))
-    common = ["--method", "lora", "--data", "--distilled", str(tmp_path / "soft"), "--diffusion-loss", "soft",
+    common = ["--model", "tiny", "--method", "lora", "--data", "--distilled", str(tmp_path / "soft"), "--diffusion-loss", "soft",
               "--batch-size", "4", "--logging-steps", "1", "--eval-samples", "0", "--learning-rate", "3e-3",
               "--lr-scheduler", "constant", "--json"]
     assert max(max(r["input_ids"]) for r in rows) < tokenizer_vocab
@@ -160,7 +160,7 @@ def test_train_cli_soft_loss_from_distilled_rows_and_exact_resume(tmp_path, caps
     with pytest.raises(ValueError, match="no soft targets"):
         Dataset.from_list([{"input_ids": r["input_ids"], "labels": r["labels"]} for r in rows]).save_to_disk(
             str(tmp_path / "hard"))
-        main([*common[:4], str(tmp_path / "hard"), *common[5:], "--max-steps", "1", "--output", str(tmp_path / "d")])
+        main([*common[:6], str(tmp_path / "hard"), *common[7:], "--max-steps", "1", "--output", str(tmp_path / "d")])
 
 
 def test_sequential_training_resumes_exactly_on_a_dataset_that_grew(tmp_path, capsys):
@@ -177,7 +177,7 @@ def test_sequential_training_resumes_exactly_on_a_dataset_that_grew(tmp_path, ca
         for n in range(shards):
             Dataset.from_list(rows[12 * n : 12 * n + 12]).save_to_disk(str(folder / "shards" / f"{n:05d}"))
     assert len(load_distilled(growing)) == 12 and load_distilled(complete)["input_ids"] == [r["input_ids"] for r in rows]
-    common = ["--method", "lora", "--data", "--diffusion-loss", "soft", "--data-order", "sequential",
+    common = ["--model", "tiny", "--method", "lora", "--data", "--diffusion-loss", "soft", "--data-order", "sequential",
               "--batch-size", "4", "--logging-steps", "1", "--eval-samples", "0", "--max-steps", "6",
               "--save-steps", "100", "--json"]
 

@@ -11,7 +11,7 @@ from hf_tidar.training import HybridLossLogger, byte_level_tokenizer, pack_texts
 
 
 def reference_hybrid_loss(model, ids: torch.Tensor, alpha: float) -> tuple[float, float, float]:
-    """The loss as DESIGN.md states it, computed with the slow table mask and explicit shifts."""
+    """The loss as docs/masks.md states it, computed with the slow table mask and explicit shifts."""
     seq_len = ids.shape[1]
     block = model.config.block_size
     doubled = torch.cat([ids, torch.full_like(ids, model.config.mask_token_id)], dim=1)

@@ -41,7 +41,8 @@ MAX_ROWS = 32
 """Largest row count a plan covers; bigger inputs (prefills, training) always use ``F.linear``."""
 
 def _onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    ops = ("_reorder_linear_weight", "_linear_pointwise")
+    return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)
 
 
 METHODS = ("linear", "w_xt", "onednn")

@@ -301,9 +301,9 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--chat-prompts", type=int, default=3000, help="needs a tokenizer with a chat template")
     parser.add_argument("--instruction-prompts", type=int, default=0,
                         help="'Write a function `f(args)` that ...' requests from docstrings (chat template)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--max-prompt-tokens", type=int, default=96)
-    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
+    parser.add_argument("--max-prompt-tokens", type=int, default=96, help="prompts are cut to this many tokens")
+    parser.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
     parser.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resuming)")
     parser.add_argument("--shuffle", action="store_true", help="shuffle the prompts (seeded) so every shard mixes all kinds")
     parser.add_argument("--top-k", type=int, default=0,
