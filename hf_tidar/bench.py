@@ -44,6 +44,7 @@ import torch
 from transformers import PreTrainedModel
 
 from .generation.auto_layout import sync_device
+from .generation.drafters import DEFAULT_LOOKUP_LENGTH
 
 PROMPT_SETS = ("code", "chat", "arithmetic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,6 +145,7 @@ class BenchConfig:
     cpu_linears: bool = False  # the measured CPU linear path (hf_tidar.cpu) on every model, stock AR kept as a row
     draft_sources: list[str] = field(default_factory=lambda: ["diffusion"])
     first_group_layouts: bool = False  # also run each k with pre-draft group 1 only
+    lookup_lengths: list[int] = field(default_factory=lambda: [DEFAULT_LOOKUP_LENGTH])  # per lookup source
 
     def validate(self) -> None:
         """Raise a ``ValueError`` that says what to change."""
@@ -386,12 +388,24 @@ def _assisted_methods(config: BenchConfig, models: Models) -> list[Method]:
                    {"strategy": "ar", "assistant_model": models.assistant}, max_batch=1)]
 
 
+def _source_variants(config: BenchConfig) -> list[tuple[str, dict]]:
+    """(name suffix, generate kwargs) per draft source, and per lookup length for the lookup sources."""
+    variants = []
+    for source in config.draft_sources:
+        if source == "diffusion":
+            variants.append(("", {}))
+            continue
+        lengths = sorted(set(config.lookup_lengths))
+        for length in lengths:
+            suffix = f"-{source.replace('_', '-')}" + (f"-L{length}" if len(lengths) > 1 else "")
+            variants.append((suffix, {"draft_source": source, "lookup_length": length}))
+    return variants
+
+
 @register_method("tidar")
 def _tidar_methods(config: BenchConfig, models: Models) -> list[Method]:
     methods = []
-    for source in config.draft_sources:
-        suffix = "" if source == "diffusion" else f"-{source.replace('_', '-')}"
-        extra = {} if source == "diffusion" else {"draft_source": source}
+    for suffix, extra in _source_variants(config):
         for k in sorted(set(config.draft_lengths)):
             methods.append(Method(f"tidar-k{k}{suffix}", "tidar", "main",
                                   {"strategy": "tidar", "draft_length": k, **extra}, draft_length=k, layout="full"))

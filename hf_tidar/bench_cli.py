@@ -17,7 +17,7 @@ from .bench import (
 )
 from .folders import add_overwrite_flag, check_output_folder
 from .generation.auto_layout import PROFILE_REPEATS
-from .generation.drafters import DRAFT_SOURCES
+from .generation.drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES
 
 QUICK = {"per_set": 1, "max_new_tokens": 8, "draft_length": [2, 3], "batch_size": [1, 2], "sampling": "both",
          "repeats": 1, "threads": 1}
@@ -67,6 +67,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="run every model on the measured CPU linear path (hf_tidar.cpu); adds an ar-stock-linears row")
     parser.add_argument("--draft-source", nargs="+", default=["diffusion"], choices=DRAFT_SOURCES,
                         help="TiDAR draft sources to run (one row set each)")
+    parser.add_argument("--lookup-length", nargs="+", type=int, default=[DEFAULT_LOOKUP_LENGTH],
+                        help="most prompt-lookup drafts a pass verifies, for the lookup draft sources (one row set "
+                        "each)")
     parser.add_argument("--first-group-layouts", action="store_true",
                         help="also run each draft length with pre-draft group 1 only (2k query tokens, not k(k+1))")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -126,6 +129,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         seed=args.seed,
         cpu_linears=args.cpu_linears,
         draft_sources=args.draft_source,
+        lookup_lengths=args.lookup_length,
         first_group_layouts=args.first_group_layouts,
     )
 

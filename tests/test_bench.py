@@ -173,10 +173,24 @@ def test_bad_options_exit_with_a_message(capsys):
         assert "no CUDA device" in capsys.readouterr().err
 
 
+def test_draft_source_rows_exact_with_one_row_per_lookup_length():
+    ar, tokenizer = tiny_ar_model()
+    tokenizer.padding_side = "left"
+    models = Models(TidarForCausalLM.from_ar(ar, block_size=2, tokenizer=tokenizer).eval(), tokenizer,
+                    description="tiny")
+    config = BenchConfig(model="tiny", draft_lengths=[2], auto_layout=False, methods=["ar", "tidar"],
+                         draft_sources=["diffusion", "best"], lookup_lengths=[1, 3], max_new_tokens=12, repeats=1,
+                         prompts=default_prompts(1)[:2], threads=1)
+    rows = {r["method"]: r for r in run_benchmark(config, models, progress=False)["results"]}
+    assert set(rows) == {"ar", "tidar-k2", "tidar-k2-best-L1", "tidar-k2-best-L3"}
+    assert all(r["identical_rate"] == 1.0 for name, r in rows.items() if name != "ar")
+
+
 def test_printed_command_reproduces_the_configuration():
     parser = build_parser()
     argv = ["bench", "smollm2", "--threads", "1", "--draft-length", "2", "4", "--per-set", "2", "--repeats", "2",
-            "--sampling", "both", "--no-auto", "--output", "out dir"]
+            "--sampling", "both", "--no-auto", "--draft-source", "diffusion", "best", "--lookup-length", "2", "6",
+            "--output", "out dir"]
     args = parser.parse_args(argv)
     bench = parser._subparsers._group_actions[0].choices["bench"]
     line = command_line("bench", args, bench)

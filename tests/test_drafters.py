@@ -57,3 +57,55 @@ def test_lookup_drafts_keep_the_sampling_distribution(tiny_vocab_model):  # noqa
 def test_unknown_draft_source_is_refused(looping_model):
     with pytest.raises(ValueError, match="draft_source must be one of"):
         looping_model.generate(torch.tensor([[1, 2]]), strategy="tidar", draft_source="ngram", max_new_tokens=2)
+
+
+def _spy_query_tokens(model, monkeypatch) -> list[torch.Tensor]:
+    """Record the input ids of every structured forward (prefill and decode passes)."""
+    seen, forward = [], model.structured_hidden_states
+
+    def spy(input_ids, *args, **kwargs):
+        seen.append(input_ids.clone())
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "structured_hidden_states", spy)
+    return seen
+
+
+@pytest.mark.parametrize("lookup_length", [1, 6])
+def test_lookup_passes_verify_more_than_k_drafts_without_mask_rows(looping_model, monkeypatch, lookup_length):
+    prompt = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4]])
+    settings = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ar = looping_model.generate(prompt, **settings)
+        queries = _spy_query_tokens(looping_model, monkeypatch)
+        out = looping_model.generate(prompt, strategy="tidar", draft_length=2, draft_groups=[1],
+                                     draft_source="prompt_lookup", lookup_length=lookup_length,
+                                     return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, ar)
+    mask_id = looping_model.config.mask_token_id
+    decode = queries[1:]
+    verification_only = [q for q in decode if not bool((q == mask_id).any())]
+    assert verification_only, "no pass verified lookup drafts alone"
+    longest = max(q.shape[1] for q in verification_only)
+    assert longest <= lookup_length + 1  # d_0 and at most lookup_length drafts
+    if lookup_length > 1:  # a k = 2 pass verifies 2 tokens and commits at most 2; lookup passes do more
+        assert longest > 2 and max(out.accepted_lengths[0]) > 2
+    assert len(decode) == int(out.forward_passes[0])
+
+
+def test_lookup_passes_in_a_batch_stay_exact(looping_model):
+    prompts, mask = _left_pad([torch.tensor([3, 9, 4, 9, 4, 9, 11]), torch.tensor([7, 5, 6, 7, 5])])
+    settings = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
+    with torch.no_grad():
+        ar = looping_model.generate(prompts, **settings)
+        for k, groups in [(2, [1]), (4, None)]:
+            out = looping_model.generate(prompts, strategy="tidar", draft_length=k, draft_groups=groups,
+                                         draft_source="best", lookup_length=5, **settings)
+            assert torch.equal(out, ar), (k, groups)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, "4"])
+def test_bad_lookup_length_is_refused(looping_model, bad):
+    with pytest.raises(ValueError, match="lookup_length must be a positive integer"):
+        looping_model.generate(torch.tensor([[1, 2]]), strategy="tidar", draft_source="best", lookup_length=bad,
+                               max_new_tokens=2)

@@ -20,6 +20,10 @@ DRAFT_SOURCES = ("diffusion", "prompt_lookup", "best")
 """``draft_source`` values: diffusion slots only; prompt lookup where it matches (diffusion elsewhere);
 per pass the one with the higher expected accepted length."""
 
+DEFAULT_LOOKUP_LENGTH = 4
+"""Most prompt-lookup drafts one pass verifies (``lookup_length``); the prompt-lookup baseline of our
+benchmarks verifies 4 too."""
+
 
 class NgramIndex:
     """Most recent continuation of every n-gram (``n = 1..max_ngram``) of one growing token sequence."""

@@ -87,3 +87,12 @@ class DraftLayout:
     def next_draft_len(self, accepted: int) -> int:
         """How many drafts the next block holds after ``accepted`` drafts were accepted."""
         return self.draft_len - (accepted - self.source_group(accepted))
+
+
+def verification_layout(draft_len: int) -> DraftLayout:
+    """A pass that only verifies ``draft_len`` drafts (from prompt lookup) and pre-drafts nothing.
+
+    Not a user layout (:meth:`DraftLayout.build` requires group 1): the decode loop uses it for passes whose
+    drafts need no diffusion slots, so the pass is ``draft_len`` query tokens and no ``[MASK]``.
+    """
+    return DraftLayout(draft_len, ())

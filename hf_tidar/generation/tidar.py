@@ -30,8 +30,8 @@ from ..cache import DraftCache
 from ..masks import DecodeMaskState, DecodeStepMasks, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
 from .auto_layout import AutoLayout
-from .drafters import DRAFT_SOURCES, NgramIndex, SourceChooser
-from .layout import DraftLayout
+from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES, NgramIndex, SourceChooser
+from .layout import DraftLayout, verification_layout
 from .outputs import StrategyGenerateOutput
 from .processors import refuse_stateful
 
@@ -74,7 +74,8 @@ class TidarDecoder:
     """State and steps of one ``generate(strategy="tidar")`` call (left-padded batch)."""
 
     def __init__(self, model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
-                 streamer, layout: DraftLayout | AutoLayout, verifier_weight: float, draft_source: str = "diffusion"):
+                 streamer, layout: DraftLayout | AutoLayout, verifier_weight: float, draft_source: str = "diffusion",
+                 lookup_length: int = DEFAULT_LOOKUP_LENGTH):
         self.model = model
         self.mask_id = model.require_mask_token_id()
         self.scorer = Scorer(logits_processor, input_ids.shape[0])
@@ -100,6 +101,10 @@ class TidarDecoder:
         self.cache = DraftCache(config=model.config.get_text_config())
         self.draft_source = draft_source
         self.chooser = SourceChooser()
+        # A pass whose drafts all come from prompt lookup verifies up to lookup_length of them and drafts
+        # nothing: no mask group, so it costs what a prompt-lookup pass of transformers costs. The mixed
+        # verifier needs every group's first slot, so it keeps the full layout.
+        self.lookup_length = lookup_length if not self.mixed else None
         if draft_source != "diffusion":
             for row, prompt, valid in zip(self.rows, input_ids, attention_mask.bool(), strict=True):
                 row.ngrams = NgramIndex(prompt[valid].tolist())
@@ -154,7 +159,7 @@ class TidarDecoder:
         if row.ngrams is not None and wants_lookup:
             # A full block whatever the group: lookup does not need the slots (a layout with few groups
             # leaves short diffusion blocks after long acceptances, a lookup match fills them).
-            proposal = row.ngrams.propose(self.layout.draft_len - 1)
+            proposal = row.ngrams.propose(self.lookup_length or self.layout.draft_len - 1)
             if proposal:
                 return self.lookup_drafts(first, proposal, slot_logits.shape[-1])
         return self.draft(row, first, slot_logits)
@@ -246,26 +251,34 @@ class TidarDecoder:
 
     def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskState) -> list[Drafts | None]:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
-        hidden = self._forward(drafts, state)
-        logits = self.model.vocab_logits(hidden[:, self._projected_index()]).float()
-        first_slots = logits[:, len(self.layout.projected_rows) :] if self.mixed else None
-        emitted = self._verify_rows(active, drafts, logits[:, : self.layout.draft_len], first_slots)
+        layout = self.pass_layout(drafts)
+        drafts = [self._fit(d, layout.draft_len) for d in drafts]
+        hidden = self._forward(drafts, state, layout)
+        logits = self.model.vocab_logits(hidden[:, self._projected_index(layout)]).float()
+        first_slots = logits[:, len(layout.projected_rows) :] if self.mixed else None
+        emitted = self._verify_rows(active, drafts, logits[:, : layout.draft_len], first_slots, layout)
         most = max(emitted)
         self.cache.keep_first(state.length + most)  # the accepted drafts' KV; the rest of the pass goes
         state.commit(torch.tensor(emitted, device=self.device), most)
-        return self._next_drafts(active, emitted, logits)
+        return self._next_drafts(active, emitted, logits, layout)
 
-    def _projected_index(self) -> torch.Tensor:
+    def pass_layout(self, drafts: list[Drafts]) -> DraftLayout:
+        """This pass's layout: verification only when every row drafted by prompt lookup, else the
+        decode's layout (whose groups pre-draft the next block)."""
+        if self.lookup_length and all(d.source == "prompt_lookup" for d in drafts):
+            return verification_layout(max(len(d.tokens) for d in drafts))
+        return self.layout
+
+    def _projected_index(self, layout: DraftLayout) -> torch.Tensor:
         """The layout's projected rows (then, for a mixed verifier, its groups' first slots) as a device
         tensor, made once per layout."""
-        if self.layout not in self.projected_index:
-            rows = self.layout.projected_rows + (self.layout.first_slot_rows if self.mixed else ())
-            self.projected_index[self.layout] = torch.tensor(rows, device=self.device)
-        return self.projected_index[self.layout]
+        if layout not in self.projected_index:
+            rows = layout.projected_rows + (layout.first_slot_rows if self.mixed else ())
+            self.projected_index[layout] = torch.tensor(rows, device=self.device)
+        return self.projected_index[layout]
 
-    def _forward(self, drafts: list[Drafts], state: DecodeMaskState) -> torch.Tensor:
+    def _forward(self, drafts: list[Drafts], state: DecodeMaskState, layout: DraftLayout) -> torch.Tensor:
         """The pass itself: drafts then the layout's mask groups, over the cache. Returns hidden states."""
-        layout = self.layout
         k = layout.draft_len
         if layout not in self.step_masks:  # rendered once per layout
             self.step_masks[layout] = DecodeStepMasks(k, layout.groups, self.device)
@@ -281,7 +294,7 @@ class TidarDecoder:
         )
 
     def _verify_rows(self, active: list[int], drafts: list[Drafts], ar_logits: torch.Tensor,
-                     first_slots: torch.Tensor | None) -> list[int]:
+                     first_slots: torch.Tensor | None, layout: DraftLayout) -> list[int]:
         """Verify each active row's drafts against its AR logits ``[batch, k, V]`` (and, for a mixed verifier,
         its groups' first slots ``[batch, k, V]``); returns tokens emitted."""
         emitted = []
@@ -293,18 +306,19 @@ class TidarDecoder:
             emitted.append(count)
             if not row.finished:  # a stop cuts a pass short: not a rejection
                 self.chooser.observe(drafts[index].source, count - 1)
-                if self.auto:
+                if self.auto and layout.groups:  # the planner models diffusion passes only
                     self.auto.observe(len(drafts[index].tokens), count)
         if self.auto:
             self.auto.count_pass()
         return emitted
 
-    def _next_drafts(self, active: list[int], emitted: list[int], logits: torch.Tensor) -> list[Drafts | None]:
-        """Each unfinished row's next block: its source group's slots after the verifier's own token.
+    def _next_drafts(self, active: list[int], emitted: list[int], logits: torch.Tensor,
+                     layout: DraftLayout) -> list[Drafts | None]:
+        """Each unfinished row's next block: its source group's slots after the verifier's own token (a
+        verification-only pass has none: the row then drafts by lookup, or only its verified token).
 
         ``logits`` are the pass's projected rows (:attr:`DraftLayout.projected_rows`).
         """
-        layout = self.layout
         next_drafts = []
         for index, row_id in enumerate(active):
             row = self.rows[row_id]
@@ -312,10 +326,13 @@ class TidarDecoder:
                 next_drafts.append(None)
                 continue
             accepted = emitted[index]
-            group = layout.source_group(accepted)
-            # The group's slot at offset accepted - group is the verifier's position; drafts follow it.
-            first = layout.projected_slot_start(group)
-            slots = self.slot_logits(logits[index, first + accepted - group : first + layout.draft_len - 1])
+            if layout.groups:
+                group = layout.source_group(accepted)
+                # The group's slot at offset accepted - group is the verifier's position; drafts follow it.
+                first = layout.projected_slot_start(group)
+                slots = self.slot_logits(logits[index, first + accepted - group : first + layout.draft_len - 1])
+            else:
+                slots = logits[index, :0]
             next_drafts.append(self.next_block(row, int(row.ids[0, row.length - 1]), slots))
         return next_drafts
 
@@ -333,7 +350,7 @@ class TidarDecoder:
         while active:
             if self.auto:
                 self.layout = self.auto.choose()
-            drafts = self.step(active, [self._fit(d) for d in drafts], state)
+            drafts = self.step(active, drafts, state)
             still = [i for i, row_id in enumerate(active) if not self.rows[row_id].finished]
             if not still:
                 break
@@ -348,9 +365,9 @@ class TidarDecoder:
         if self.streamer is not None:
             self.streamer.end()
 
-    def _fit(self, drafts: Drafts) -> Drafts:
-        """Trim a draft block to the current layout's draft length (it changes under ``draft_layout="auto"``)."""
-        k = self.layout.draft_len
+    def _fit(self, drafts: Drafts, k: int) -> Drafts:
+        """Trim a draft block to the pass's draft length ``k`` (it changes under ``draft_layout="auto"``, and
+        lookup drafts may be longer than a diffusion pass verifies)."""
         if len(drafts.tokens) <= k:
             return drafts
         return Drafts(drafts.tokens[:k], drafts.scores[:k] if drafts.scores is not None else None, drafts.source)
@@ -446,6 +463,7 @@ def tidar_decode(
     draft_layout: str | None = None,
     verifier_weight: float = 1.0,
     draft_source: str = "diffusion",
+    lookup_length: int = DEFAULT_LOOKUP_LENGTH,
     **model_kwargs,
 ):
     """The ``generate(strategy="tidar")`` loop (transformers calls it through ``custom_generate``).
@@ -462,9 +480,14 @@ def tidar_decode(
             ``"prompt_lookup"`` an n-gram match in the context where there is one (the slots elsewhere),
             ``"best"`` per pass the source with the higher running mean of accepted drafts. Every source is
             verified the same way, so the output does not depend on it; only the speed does.
+        lookup_length: the most prompt-lookup drafts one pass verifies (default 4). A pass whose drafts all
+            come from lookup computes no mask group (it verifies only, at the cost of a prompt-lookup pass);
+            the next pass drafts by lookup again, or by the diffusion slots from the verified token on.
     """
     if draft_source not in DRAFT_SOURCES:
         raise ValueError(f"draft_source must be one of {', '.join(map(repr, DRAFT_SOURCES))}, got {draft_source!r}.")
+    if not isinstance(lookup_length, int) or isinstance(lookup_length, bool) or lookup_length < 1:
+        raise ValueError(f"lookup_length must be a positive integer (drafts per lookup pass), got {lookup_length!r}.")
     refuse_stateful(logits_processor, "tidar")
     if not 0.0 <= verifier_weight <= 1.0:
         raise ValueError(f"verifier_weight must be in [0, 1] (1 = exact AR verification), got {verifier_weight}.")
@@ -486,7 +509,7 @@ def tidar_decode(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     decoder = TidarDecoder(model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
-                           streamer, layout, verifier_weight, draft_source)
+                           streamer, layout, verifier_weight, draft_source, lookup_length)
     decoder.run(input_ids)
     return decoder.result(input_ids.shape[1])
 
