@@ -43,8 +43,11 @@ def test_smollm2_tidar_equals_original_greedy():
     assert out.forward_passes.item() == len(out.accepted_lengths[0]) <= 11
 
 
-def test_smollm2_is_a_plain_float32_model_that_saves_reloads_and_saves_again(tmp_path):
+def test_smollm2_is_a_plain_float32_model_that_saves_reloads_saves_again_and_pushes(tmp_path, monkeypatch):
+    from test_hub import FakeHub
     from transformers import AutoModelForCausalLM
+
+    from hf_tidar.hub import push
 
     ar, tokenizer = load_smollm2(quiet=True)
     assert "quantization_config" not in ar.config.to_dict() and ar.dtype == torch.float32
@@ -56,6 +59,11 @@ def test_smollm2_is_a_plain_float32_model_that_saves_reloads_and_saves_again(tmp
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "tidar", dtype=torch.bfloat16)
     assert getattr(reloaded, "hf_quantizer", None) is None and reloaded.dtype == torch.bfloat16
     reloaded.save_pretrained(tmp_path / "again")
+    hub = FakeHub(monkeypatch)  # the Hub API boundary, offline
+    push(reloaded, "tester/smollm2-tidar", tokenizer=tokenizer)
+    (_, files, _), = hub.commits
+    assert {"model.safetensors", "config.json", "README.md"} <= set(files)
+    assert "quantization_config" not in json.loads(files["config.json"])["text_config"]
 
 
 def test_demo_runs_and_reports_identical_output(capsys):

@@ -143,8 +143,10 @@ def test_flash_attention_is_refused_with_a_clear_error():
         render_mask(layout, "flash_attention_2", torch.float16)
 
 
-@pytest.mark.parametrize("k,groups", [(1, [1]), (3, [1, 2, 3]), (4, [1, 3]), (5, [1])])
+@pytest.mark.parametrize("k,groups", [(1, [1]), (3, [1, 2, 3]), (4, [1, 3]), (5, [1]), (4, [])])
 def test_decode_step_masks_equal_the_full_layout_rendering(k, groups):
+    """Also: every decode query sees every valid cached token (what the per-step mask relies on); groups
+    ``[]`` is a verification-only pass."""
     from hf_tidar.masks import DecodeMaskState, DecodeStepMasks
 
     prefix_valid = torch.rand(3, 11, generator=torch.Generator().manual_seed(k)) > 0.3  # holes and padding

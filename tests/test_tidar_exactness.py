@@ -208,3 +208,46 @@ def test_scores_of_finished_rows_match_transformers(counting_model):
     assert len(out.scores) == len(expected.scores) and len(out.logits) == len(expected.logits)
     for mine, theirs in zip(out.scores + out.logits, expected.scores + expected.logits, strict=True):
         torch.testing.assert_close(mine, theirs.to(mine.dtype))
+
+
+# -- one device-to-host read per greedy pass --------------------------------------------------------------
+
+HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+
+
+class _HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the tensor calls that read a value back from the device (each a sync on an accelerator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("source,batch", [("diffusion", 1), ("best", 1), ("diffusion", 2)])
+def test_a_greedy_pass_reads_back_from_the_device_once(monkeypatch, source, batch):
+    from hf_tidar.generation.tidar import TidarDecoder
+
+    model = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=24, seed=4), block_size=4).eval()
+    prompts = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4], [0, 0, 5, 6, 7, 5, 6, 7, 5, 6]])[:batch]
+    mask = (prompts != 0).long() if batch > 1 else torch.ones_like(prompts)
+    reads, step = [], TidarDecoder.step
+
+    def counted_step(self, *args, **kwargs):
+        with _HostReads() as counter:
+            result = step(self, *args, **kwargs)
+        reads.append(counter.count)
+        return result
+
+    monkeypatch.setattr(TidarDecoder, "step", counted_step)
+    settings = dict(max_new_tokens=30, do_sample=False, eos_token_id=[5, 7], pad_token_id=0, attention_mask=mask)
+    with torch.no_grad():
+        out = model.generate(prompts, strategy="tidar", draft_length=3, draft_source=source, **settings)
+    monkeypatch.setattr(TidarDecoder, "step", step)
+    with torch.no_grad():
+        assert torch.equal(out, model.generate(prompts, **settings))
+    assert len(reads) > 5 and max(reads) == 1, reads

@@ -34,6 +34,7 @@ from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES, NgramIndex, SourceCh
 from .layout import DraftLayout, verification_layout
 from .outputs import StrategyGenerateOutput
 from .processors import refuse_stateful
+from .stopping import TokenStopper
 
 #: squeeze holes out of a batched cache once it is this much longer than its longest row
 COMPACTION_SLACK = 64
@@ -54,11 +55,21 @@ class Row:
     logits: list[torch.Tensor] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     finished: bool = False
+    last: int = -1  # its last token, held on the host
+    padding: int = 0  # left-padding slots before its prompt
     ngrams: NgramIndex | None = None  # its n-gram index, when prompt lookup may draft
     @property
     def sequence(self) -> torch.Tensor:
         """``[1, length]`` view of the tokens so far (prompt included)."""
         return self.ids[:, : self.length]
+
+
+@dataclass
+class Choices:
+    """One row's processed scores ``[n, V]`` over a pass's projected rows and their greedy tokens."""
+
+    scores: torch.Tensor
+    tokens: list[int]
 
 
 @dataclass
@@ -79,9 +90,12 @@ class TidarDecoder:
         self.model = model
         self.mask_id = model.require_mask_token_id()
         self.scorer = Scorer(logits_processor, input_ids.shape[0])
-        self.stopping_criteria = stopping_criteria
+        self.should_stop = TokenStopper(stopping_criteria)
         self.config = generation_config
         self.do_sample = bool(generation_config.do_sample)
+        # Greedy with position-free processors and the exact verifier: a pass's every projected row is
+        # scored and chosen at once, with one read back to the host.
+        self.greedy_at_once = not self.do_sample and verifier_weight == 1.0 and self.scorer.position_free
         self.streamer = streamer
         self.verifier_weight = verifier_weight
         self.mixed = verifier_weight != 1.0  # then each group's first slot is projected too (the diffusion term)
@@ -97,7 +111,9 @@ class TidarDecoder:
         self.attention_mask = attention_mask
         capacity = max(int(generation_config.max_length or 0), input_ids.shape[1]) + model.config.block_size + 1
         length = input_ids.shape[1]
-        self.rows = [Row(index, self._buffer(row, capacity), length) for index, row in enumerate(input_ids)]
+        padding = (length - attention_mask.long().sum(-1)).tolist()
+        self.rows = [Row(index, self._buffer(row, capacity), length, padding=padding[index])
+                     for index, row in enumerate(input_ids)]
         self.cache = DraftCache(config=model.config.get_text_config())
         self.draft_source = draft_source
         self.chooser = SourceChooser()
@@ -120,6 +136,7 @@ class TidarDecoder:
         """Append one token to ``row`` exactly as AR decoding would; returns whether the row must stop."""
         row.ids[0, row.length] = token
         row.length += 1
+        row.last = token
         if row.ngrams is not None:
             row.ngrams.append(token)
         # Copies: these are views of a whole pass's projected rows, which would otherwise stay alive.
@@ -129,7 +146,7 @@ class TidarDecoder:
             row.logits.append(logits.clone())
         if self.streamer is not None:
             self.streamer.put(torch.tensor([token]))
-        row.finished = bool(self.stopping_criteria(row.sequence, scores[None]).any())
+        row.finished = self.should_stop(row.sequence, row.length, token, scores)
         return row.finished
 
     # -- drafting -------------------------------------------------------------------------------------
@@ -151,9 +168,11 @@ class TidarDecoder:
             prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
         return Drafts(tokens, torch.stack(rows_scores))
 
-    def next_block(self, row: Row, first: int, slot_logits: torch.Tensor) -> Drafts:
+    def next_block(self, row: Row, first: int, slot_logits: torch.Tensor | None,
+                   slot_tokens: list[int] | None = None) -> Drafts:
         """The row's drafts after ``d_0 = first``: a prompt-lookup continuation where the draft source allows
-        one and it is expected to commit more, else the diffusion slots."""
+        one and it is expected to commit more, else the diffusion slots (``slot_tokens``: already chosen
+        greedily, instead of ``slot_logits``)."""
         wants_lookup = self.draft_source == "prompt_lookup" or (
             self.draft_source == "best" and self.chooser.prefers_lookup())
         if row.ngrams is not None and wants_lookup:
@@ -161,15 +180,17 @@ class TidarDecoder:
             # leaves short diffusion blocks after long acceptances, a lookup match fills them).
             proposal = row.ngrams.propose(self.lookup_length or self.layout.draft_len - 1)
             if proposal:
-                return self.lookup_drafts(first, proposal, slot_logits.shape[-1])
+                return self.lookup_drafts(first, proposal)
+        if slot_tokens is not None:
+            return Drafts([first, *slot_tokens], None)
         return self.draft(row, first, slot_logits)
 
-    def lookup_drafts(self, first: int, proposal: list[int], vocab: int) -> Drafts:
+    def lookup_drafts(self, first: int, proposal: list[int]) -> Drafts:
         """Prompt-lookup drafts: deterministic proposals, so their draft distribution ``q`` is one-hot (what
         speculative sampling needs; greedy verification needs none)."""
         scores = None
         if self.do_sample:
-            scores = torch.full((len(proposal) + 1, vocab), float("-inf"), device=self.device)
+            scores = torch.full((len(proposal) + 1, self.vocab_size), float("-inf"), device=self.device)
             scores[torch.arange(1, len(proposal) + 1), torch.tensor(proposal)] = 0.0
         return Drafts([first, *proposal], scores, source="prompt_lookup")
 
@@ -182,18 +203,18 @@ class TidarDecoder:
     # -- verification ---------------------------------------------------------------------------------
 
     def verify(self, row: Row, drafts: Drafts, ar_logits: torch.Tensor,
-               first_slots: torch.Tensor | None = None) -> int:
+               first_slots: torch.Tensor | None = None, chosen: Choices | None = None) -> int:
         """Verify one row's drafts against its AR logits ``[k, V]``; emit tokens; return tokens emitted.
 
         ``first_slots`` ``[k, V]``: group ``i``'s first-slot logits at row ``i - 1``, the mixed verifier's
-        diffusion term for position ``p + i`` (``None``: the exact AR verifier).
+        diffusion term for position ``p + i`` (``None``: the exact AR verifier). ``chosen``: the pass's
+        scores and greedy tokens of this row's projected rows, when :attr:`greedy_at_once`.
         """
         start = row.length
         m = len(drafts.tokens)
-        fast = self.scorer.position_free and self.verifier_weight == 1.0 and not self.do_sample
-        if fast:  # greedy, processors position-free: every position at once, one host sync
-            ar_scores = self.scorer.many(row.sequence, ar_logits[:m])
-            best = ar_scores.argmax(-1).tolist()
+        fast = chosen is not None
+        if fast:
+            ar_scores, best = chosen.scores, chosen.tokens
         accepted = 1
         while not row.finished:
             if fast:
@@ -204,7 +225,7 @@ class TidarDecoder:
             diffusion = None if first_slots is None else self._diffusion_scores(row, first_slots[accepted - 1])
             target = mix_verifier(scores, diffusion, self.verifier_weight)
             if accepted == m:  # every draft accepted: the bonus token comes from the target alone
-                self.emit(row, int(choose(target, self.do_sample)), scores, raw)
+                self.emit(row, best[m - 1] if fast else int(choose(target, self.do_sample)), scores, raw)
                 break
             draft_scores = drafts.scores[accepted] if drafts.scores is not None else None
             if fast:
@@ -239,6 +260,7 @@ class TidarDecoder:
         if self.mixed:  # the group's first slot predicts the first token from the prompt: the diffusion term
             rows.append(prompt_len)
         logits = self.model.vocab_logits(hidden[:, rows]).float()
+        self.vocab_size = logits.shape[-1]
         ar_logits, slots = logits[:, 0], self.slot_logits(logits[:, 1:k])
         all_drafts = []
         for index, row in enumerate(self.rows):
@@ -256,11 +278,25 @@ class TidarDecoder:
         hidden = self._forward(drafts, state, layout)
         logits = self.model.vocab_logits(hidden[:, self._projected_index(layout)]).float()
         first_slots = logits[:, len(layout.projected_rows) :] if self.mixed else None
-        emitted = self._verify_rows(active, drafts, logits[:, : layout.draft_len], first_slots, layout)
+        chosen = self._choose_at_once(active, logits) if self.greedy_at_once else None
+        emitted = self._verify_rows(active, drafts, logits[:, : layout.draft_len], first_slots, layout, chosen)
         most = max(emitted)
         self.cache.keep_first(state.length + most)  # the accepted drafts' KV; the rest of the pass goes
         state.commit(torch.tensor(emitted, device=self.device), most)
-        return self._next_drafts(active, emitted, logits, layout)
+        return self._next_drafts(active, emitted, logits, layout, chosen)
+
+    def _choose_at_once(self, active: list[int], logits: torch.Tensor) -> list[Choices]:
+        """Greedy scores and tokens of every projected row of the pass, read back to the host once.
+
+        Position-free processors ignore the prefix, so the AR rows (verification) and the slot rows (the
+        next drafts, ``[MASK]`` excluded as :meth:`slot_logits` does) share one call per row and one argmax.
+        """
+        logits = logits.clone()
+        logits[..., self.mask_id] = float("-inf")
+        scores = torch.stack([self.scorer.many(self.rows[row_id].sequence, logits[index])
+                              for index, row_id in enumerate(active)])
+        tokens = scores.argmax(-1).tolist()  # the pass's one device-to-host read
+        return [Choices(scores[index], tokens[index]) for index in range(len(active))]
 
     def pass_layout(self, drafts: list[Drafts]) -> DraftLayout:
         """This pass's layout: verification only when every row drafted by prompt lookup, else the
@@ -294,14 +330,15 @@ class TidarDecoder:
         )
 
     def _verify_rows(self, active: list[int], drafts: list[Drafts], ar_logits: torch.Tensor,
-                     first_slots: torch.Tensor | None, layout: DraftLayout) -> list[int]:
+                     first_slots: torch.Tensor | None, layout: DraftLayout,
+                     chosen: list[Choices] | None = None) -> list[int]:
         """Verify each active row's drafts against its AR logits ``[batch, k, V]`` (and, for a mixed verifier,
         its groups' first slots ``[batch, k, V]``); returns tokens emitted."""
         emitted = []
         for index, row_id in enumerate(active):
             row = self.rows[row_id]
             row_slots = None if first_slots is None else first_slots[index]
-            count = self.verify(row, drafts[index], ar_logits[index], row_slots)
+            count = self.verify(row, drafts[index], ar_logits[index], row_slots, chosen[index] if chosen else None)
             row.accepted.append(count)
             emitted.append(count)
             if not row.finished:  # a stop cuts a pass short: not a rejection
@@ -313,7 +350,7 @@ class TidarDecoder:
         return emitted
 
     def _next_drafts(self, active: list[int], emitted: list[int], logits: torch.Tensor,
-                     layout: DraftLayout) -> list[Drafts | None]:
+                     layout: DraftLayout, chosen: list[Choices] | None = None) -> list[Drafts | None]:
         """Each unfinished row's next block: its source group's slots after the verifier's own token (a
         verification-only pass has none: the row then drafts by lookup, or only its verified token).
 
@@ -330,10 +367,13 @@ class TidarDecoder:
                 group = layout.source_group(accepted)
                 # The group's slot at offset accepted - group is the verifier's position; drafts follow it.
                 first = layout.projected_slot_start(group)
-                slots = self.slot_logits(logits[index, first + accepted - group : first + layout.draft_len - 1])
+                rows = slice(first + accepted - group, first + layout.draft_len - 1)
             else:
-                slots = logits[index, :0]
-            next_drafts.append(self.next_block(row, int(row.ids[0, row.length - 1]), slots))
+                rows = slice(0, 0)
+            if chosen is not None:  # greedy: the tokens are chosen already, and no draft scores are needed
+                next_drafts.append(self.next_block(row, row.last, None, chosen[index].tokens[rows]))
+            else:
+                next_drafts.append(self.next_block(row, row.last, self.slot_logits(logits[index, rows])))
         return next_drafts
 
     def run(self, input_ids: torch.Tensor) -> None:
@@ -358,7 +398,7 @@ class TidarDecoder:
                 self._select(state, [active[i] for i in still], active)
                 drafts = [drafts[i] for i in still]
                 active = [active[i] for i in still]
-            self._maybe_compact(state)
+            self._maybe_compact(state, active)
         self._end_stream()
 
     def _end_stream(self) -> None:
@@ -380,9 +420,10 @@ class TidarDecoder:
         self.cache.batch_select_indices(index)
         state.select_rows(index)
 
-    def _maybe_compact(self, state: DecodeMaskState) -> None:
+    def _maybe_compact(self, state: DecodeMaskState, active: list[int]) -> None:
         """Gather each row's valid cached tokens to the right once holes waste too much memory."""
-        longest = int(state.positions.max())
+        # Real cached tokens per row, from host counts: every token but the last emitted one is cached.
+        longest = max(self.rows[row_id].length - self.rows[row_id].padding - 1 for row_id in active)
         if state.length <= longest + COMPACTION_SLACK:
             return
         order = torch.sort(state.prefix_valid.long(), dim=-1, stable=True).indices  # holes first, tokens in order
