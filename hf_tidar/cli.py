@@ -374,7 +374,7 @@ def cmd_push(args: argparse.Namespace) -> int:
 
 def _add_bench_commands(sub) -> None:
     """``bench`` (decoding methods side by side) and ``profile`` (forward cost vs query tokens)."""
-    from .bench_cli import add_bench_arguments, add_profile_arguments, run_bench, run_profile_command
+    from .bench.cli import add_bench_arguments, add_profile_arguments, run_bench, run_profile_command
 
     bench = add_command(sub, "bench", "AR, prompt lookup, assisted, TiDAR (and CDLM) side by side: speed, quality")
     add_bench_arguments(bench).set_defaults(func=lambda args: run_bench(args, bench))

@@ -21,7 +21,7 @@ from hf_tidar.bench import (
     run_benchmark,
     tiny_ar_model,
 )
-from hf_tidar.bench_cli import bench_config, command_line
+from hf_tidar.bench.cli import bench_config, command_line
 from hf_tidar.cli import build_parser, main
 from hf_tidar.hub import benchmark_section
 from hf_tidar.training.corpus import DEFAULT_HELD_OUT_FRACTION, document_is_held_out, stdlib_document_name

@@ -9,7 +9,8 @@ from pathlib import Path
 import evaluate
 import pytest
 
-from hf_tidar import bench, metrics
+from hf_tidar import metrics
+from hf_tidar.bench import Prompt, scores
 
 
 @functools.cache
@@ -105,15 +106,15 @@ class WordTokenizer:
 
 def test_bench_numbers_come_from_the_metrics():
     outputs, reference = [[0, 1], [4, 5, 0, 2], [4, 3], [0, 3]], [[0, 1], [4, 5, 0, 3], [4, 3], [0, 1]]
-    assert bench._identical_rate(outputs, reference) == 0.5
+    assert scores.identical_rate(outputs, reference) == 0.5
     prompts = [
-        bench.Prompt("arithmetic", "q", 1),
-        bench.Prompt("arithmetic", "q", 3),
-        bench.Prompt("chat", "hi"),
-        bench.Prompt("arithmetic", "q", 3),
+        Prompt("arithmetic", "q", 1),
+        Prompt("arithmetic", "q", 3),
+        Prompt("chat", "hi"),
+        Prompt("arithmetic", "q", 3),
     ]
     # "#### 1" right, "the answer #### 2" wrong, the chat prompt not scored, "#### 3" right.
-    assert bench._accuracy(WordTokenizer(), outputs, prompts) == 2 / 3
-    assert bench._accuracy(WordTokenizer(), outputs, [bench.Prompt("chat", "hi")] * 4) is None
-    assert bench._tokens_per_forward(30, 12) == 2.5
-    assert bench._tokens_per_forward(7, 0) == 7.0  # no forwards seen: tokens / 1, as before
+    assert scores.accuracy(WordTokenizer(), outputs, prompts) == 2 / 3
+    assert scores.accuracy(WordTokenizer(), outputs, [Prompt("chat", "hi")] * 4) is None
+    assert scores.tokens_per_forward(30, 12) == 2.5
+    assert scores.tokens_per_forward(7, 0) == 7.0  # no forwards seen: tokens / 1, as before

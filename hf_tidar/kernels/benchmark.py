@@ -2,8 +2,8 @@
 
 Usage on a GPU machine (a few minutes; flex attention compiles once per shape)::
 
-    python -m hf_tidar.kernels.bench            # prints a markdown table
-    python -m hf_tidar.kernels.bench --smoke    # tiny shapes, any device (CPU: TRITON_INTERPRET=1)
+    python -m hf_tidar.kernels.benchmark          # prints a markdown table
+    python -m hf_tidar.kernels.benchmark --smoke  # tiny shapes, any device (CPU: TRITON_INTERPRET=1)
 
 One attention call of a Qwen2.5-1.5B-shaped layer (12 query heads, 2 KV heads, head dim 128, batch 1)
 for a TiDAR decode step (``k`` drafts plus ``k`` groups of ``k`` masks) over a cache of 1k / 4k / 16k

@@ -7,17 +7,12 @@ import json
 import shlex
 from pathlib import Path
 
-from .bench import (
-    BUILTIN_MODELS,
-    DTYPES,
-    PROMPT_SETS,
-    BenchConfig,
-    load_prompt_set,
-    read_prompts_file,
-)
-from .folders import add_overwrite_flag, check_output_folder
-from .generation.auto_layout import PROFILE_REPEATS
-from .generation.drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES
+from ..folders import add_overwrite_flag, check_output_folder
+from ..generation.auto_layout import PROFILE_REPEATS
+from ..generation.drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES
+from .config import DTYPES, BenchConfig
+from .models import BUILTIN_MODELS
+from .prompts import PROMPT_SETS, load_prompt_set, read_prompts_file
 
 QUICK = {"per_set": 1, "max_new_tokens": 8, "draft_length": [2, 3], "batch_size": [1, 2], "sampling": "both",
          "repeats": 1, "threads": 1}
@@ -164,8 +159,8 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hf-tidar bench``: run, print the table (or JSON / markdown), write the files."""
     from rich.console import Console
 
-    from .bench import run_benchmark
-    from .bench_report import markdown, print_console, write_outputs
+    from .report import markdown, print_console, write_outputs
+    from .run import run_benchmark
 
     console = Console(stderr=args.json or args.markdown)
     _check_output(args)
@@ -191,9 +186,10 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def run_profile_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hf-tidar profile``: the forward cost curve, printed and (with ``--output``) plotted."""
-    from .bench import load_models, run_profile
-    from .bench_report import plot_cost_curve, print_profile, profile_markdown
-    from .generation.auto_layout import PROFILE_CACHE_LEN, _grid
+    from ..generation.auto_layout import PROFILE_CACHE_LEN, _grid
+    from .models import load_models
+    from .profile import run_profile
+    from .report import plot_cost_curve, print_profile, profile_markdown
 
     if args.draft_length < 1:
         raise ValueError(f"--draft-length must be >= 1, got {args.draft_length}.")

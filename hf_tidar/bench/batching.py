@@ -1,0 +1,39 @@
+"""Prompts in and tokens out of ``generate``: batches, left padding, the new tokens up to EOS."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+
+def batches(encoded: list[list[int]], size: int) -> Iterator[tuple[list[int], list[list[int]]]]:
+    """``(prompt indices, prompts)`` in chunks of ``size``."""
+    for start in range(0, len(encoded), size):
+        yield list(range(start, min(start + size, len(encoded)))), encoded[start : start + size]
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded ``input_ids`` and ``attention_mask``."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
+
+
+def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos_ids: set[int]) -> list[list[int]]:
+    """Per row, the new tokens up to and including the first EOS (the padding after it dropped)."""
+    rows = []
+    for row in sequences[:, prompt_width:].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        rows.append(row[:end])
+    return rows
+
+
+def eos_token_ids(model) -> set[int]:
+    """The model's EOS ids as a set (its generation config holds none, one or a list)."""
+    eos = model.generation_config.eos_token_id
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)

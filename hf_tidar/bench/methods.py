@@ -1,0 +1,127 @@
+"""The decoding methods a benchmark compares: a registry of builders (``@register_method`` adds one)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config import BenchConfig
+from .models import Models
+
+
+@dataclass
+class Method:
+    """One decoding method: ``generate`` kwargs on one of the loaded models.
+
+    ``family`` groups rows in tables and plots (``ar``, ``assisted``, ``tidar``, ``diffusion``);
+    ``max_batch`` is ``1`` where transformers supports batch size 1 only.
+    """
+
+    name: str
+    family: str
+    model: str  # attribute of Models
+    kwargs: dict
+    draft_length: int | None = None
+    layout: str | None = None
+    max_batch: int | None = None
+    supports_sampling: bool = True
+
+    def skip_reason(self, batch_size: int, do_sample: bool) -> str | None:
+        """Why this method cannot run the setting, or ``None``."""
+        if self.max_batch is not None and batch_size > self.max_batch:
+            return f"transformers supports batch size {self.max_batch} only"
+        if do_sample and not self.supports_sampling:
+            return "greedy only"
+        return None
+
+
+MethodBuilder = Callable[[BenchConfig, Models], list[Method]]
+METHOD_BUILDERS: dict[str, MethodBuilder] = {}
+
+
+def register_method(name: str) -> Callable[[MethodBuilder], MethodBuilder]:
+    """Decorator: add a builder of methods to the registry (extension point for new decoders)."""
+
+    def add(builder: MethodBuilder) -> MethodBuilder:
+        METHOD_BUILDERS[name] = builder
+        return builder
+
+    return add
+
+
+@register_method("ar")
+def _ar_methods(config: BenchConfig, models: Models) -> list[Method]:
+    methods = [Method("ar", "ar", "baseline", {"strategy": "ar"})]
+    if models.stock_baseline is not None:  # under --cpu-linears "ar" is on the measured path; this is plain HF
+        methods.append(Method("ar-stock-linears", "ar", "stock_baseline", {"strategy": "ar"}))
+    return methods
+
+
+@register_method("prompt_lookup")
+def _prompt_lookup_methods(config: BenchConfig, models: Models) -> list[Method]:
+    n = config.prompt_lookup_tokens
+    return [Method(f"prompt-lookup-{n}", "assisted", "baseline", {"strategy": "ar", "prompt_lookup_num_tokens": n},
+                   max_batch=1)]
+
+
+@register_method("assisted")
+def _assisted_methods(config: BenchConfig, models: Models) -> list[Method]:
+    if models.assistant is None:
+        return []
+    return [Method("assisted-draft-model", "assisted", "baseline",
+                   {"strategy": "ar", "assistant_model": models.assistant}, max_batch=1)]
+
+
+def _source_variants(config: BenchConfig) -> list[tuple[str, dict]]:
+    """(name suffix, generate kwargs) per draft source, and per lookup length for the lookup sources."""
+    variants = []
+    for source in config.draft_sources:
+        if source == "diffusion":
+            variants.append(("", {}))
+            continue
+        lengths = sorted(set(config.lookup_lengths))
+        for length in lengths:
+            suffix = f"-{source.replace('_', '-')}" + (f"-L{length}" if len(lengths) > 1 else "")
+            variants.append((suffix, {"draft_source": source, "lookup_length": length}))
+    return variants
+
+
+@register_method("tidar")
+def _tidar_methods(config: BenchConfig, models: Models) -> list[Method]:
+    methods = []
+    for suffix, extra in _source_variants(config):
+        for k in sorted(set(config.draft_lengths)):
+            methods.append(Method(f"tidar-k{k}{suffix}", "tidar", "main",
+                                  {"strategy": "tidar", "draft_length": k, **extra}, draft_length=k, layout="full"))
+            if config.first_group_layouts and k > 1:  # q = 2k instead of k(k+1): one pre-draft group
+                methods.append(Method(f"tidar-k{k}-g1{suffix}", "tidar", "main",
+                                      {"strategy": "tidar", "draft_length": k, "draft_groups": [1], **extra},
+                                      draft_length=k, layout="group-1"))
+        if config.auto_layout:
+            methods.append(Method(f"tidar-auto{suffix}", "tidar", "main",
+                                  {"strategy": "tidar", "draft_layout": "auto", **extra}, layout="auto"))
+    return methods
+
+
+@register_method("diffusion")
+def _diffusion_methods(config: BenchConfig, models: Models) -> list[Method]:
+    """The diffusion rows: the teacher's vanilla and threshold decoding, and the CDLM student."""
+    methods = []
+    if models.dlm_teacher is not None:
+        methods.append(Method("dlm-teacher-vanilla", "diffusion", "dlm_teacher", {"strategy": "dlm", "threshold": None}))
+        methods.append(Method(f"dlm-teacher-threshold-{config.threshold}", "diffusion", "dlm_teacher",
+                              {"strategy": "dlm", "threshold": config.threshold}))
+    if models.cdlm_student is not None:
+        methods.append(Method(f"cdlm-threshold-{config.threshold}", "diffusion", "cdlm_student",
+                              {"strategy": "cdlm", "threshold": config.threshold}))
+    return methods
+
+
+def build_methods(config: BenchConfig, models: Models) -> list[Method]:
+    """Every registered method that applies, filtered by ``config.methods`` (name prefixes)."""
+    methods = [m for builder in METHOD_BUILDERS.values() for m in builder(config, models)]
+    if config.methods:
+        methods = [m for m in methods if any(m.name.startswith(p) for p in config.methods)]
+        if not any(m.name == "ar" for m in methods):
+            methods.insert(0, _ar_methods(config, models)[0])  # the baseline of every speed-up
+    return methods

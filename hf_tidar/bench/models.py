@@ -1,0 +1,168 @@
+"""Loading the models a benchmark compares: the TiDAR model, its AR baseline, assistants and diffusion models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel
+
+from .config import DTYPES, BenchConfig
+
+BUILTIN_MODELS = ("smollm2", "tiny")
+
+
+@dataclass
+class Models:
+    """The loaded models: ``main`` (a TiDAR model; its ``strategy="ar"`` is the AR baseline and the
+    perplexity judge), its tokenizer, and the optional assistant and diffusion models."""
+
+    main: torch.nn.Module
+    tokenizer: object
+    ar_baseline: torch.nn.Module | None = None  # the untouched AR checkpoint, when main carries an adapter
+    stock_baseline: torch.nn.Module | None = None  # the baseline with stock linears, under --cpu-linears
+    assistant: torch.nn.Module | None = None
+    dlm_teacher: torch.nn.Module | None = None
+    cdlm_student: torch.nn.Module | None = None
+    description: str = ""
+
+    @property
+    def baseline(self) -> torch.nn.Module:
+        """The model the AR rows run: the original checkpoint when an adapter is loaded (so LoRA layers
+        do not slow the baseline down), else the main model's own AR path."""
+        return self.ar_baseline if self.ar_baseline is not None else self.main
+
+
+def load_models(config: BenchConfig) -> Models:
+    """Load (and convert where needed) every model the config names, on its device and dtype."""
+    from .. import TidarForCausalLM
+
+    block = max([*config.draft_lengths, 1])
+    dtype, device = DTYPES[config.dtype], torch.device(config.device)
+    ar_baseline = None
+    if config.model == "smollm2" and config.adapter:
+        from ..checkpoints import load_smollm2
+        from ..demo import SHIPPED_ADAPTER
+        from ..training.gated_lora import load_tidar_adapter
+
+        ar_baseline, tokenizer = load_smollm2(quiet=True)
+        adapter = SHIPPED_ADAPTER if config.adapter == "shipped" else Path(config.adapter)
+        main = load_tidar_adapter(ar_baseline, adapter, tokenizer=tokenizer, lean=True)
+        description = f"SmolLM2-135M-Instruct + gated TiDAR adapter ({adapter.name})"
+    elif config.model == "smollm2":
+        from ..checkpoints import load_smollm2
+
+        ar, tokenizer = load_smollm2(quiet=True)
+        main, description = TidarForCausalLM.from_ar(ar, block_size=block, tokenizer=tokenizer), "SmolLM2-135M-Instruct"
+        description += " (converted, untrained [MASK] drafts)"
+    elif config.model == "tiny":
+        main, tokenizer = _tiny_model(block)
+        description = "random 2-layer Llama, byte-level tokenizer (smoke test)"
+    else:
+        main, tokenizer, description = _load_path(config.model, block)
+    if block > main.config.block_size:
+        raise ValueError(f"--draft-length {block} exceeds the model's trained block size {main.config.block_size}.")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    main.generation_config.pad_token_id = tokenizer.pad_token_id
+    models = Models(main.to(device=device, dtype=dtype).eval(), tokenizer, description=description)
+    if ar_baseline is not None:
+        ar_baseline.generation_config.pad_token_id = tokenizer.pad_token_id
+        models.ar_baseline = ar_baseline.to(device=device, dtype=dtype).eval()
+    if config.assistant:
+        models.assistant = _load_assistant(config.assistant, main).to(device=device, dtype=dtype).eval()
+    for name in ("dlm_teacher", "cdlm_student"):
+        if getattr(config, name):
+            setattr(models, name, _load_diffusion(getattr(config, name), tokenizer).to(device=device, dtype=dtype).eval())
+    if config.cpu_linears:
+        _use_measured_linears(models)
+    return models
+
+
+def _use_measured_linears(models: Models) -> None:
+    """Every model on the measured CPU linear path; a stock-linear copy of the baseline stays for its own row."""
+    import copy
+
+    from .. import cpu
+
+    models.stock_baseline = copy.deepcopy(models.baseline)
+    for name in ("main", "ar_baseline", "assistant", "dlm_teacher", "cdlm_student"):
+        model = getattr(models, name)
+        if model is not None:
+            cpu.enable(model)
+
+
+def backbone(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack whose calls count forward passes (inside a ``PeftModel`` too)."""
+    inner = getattr(getattr(model, "base_model", None), "model", None)
+    return (inner if inner is not None and not isinstance(model, PreTrainedModel) else model).model
+
+
+def tiny_ar_model(seed: int = 0):
+    """A random 2-layer Llama and a byte-level tokenizer: the ``"tiny"`` model of smoke runs and tests."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from ..training import byte_level_tokenizer
+
+    tokenizer = byte_level_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    ar = LlamaForCausalLM(config)
+    ar.generation_config.eos_token_id = tokenizer.eos_token_id
+    ar.generation_config.pad_token_id = tokenizer.pad_token_id
+    return ar, tokenizer
+
+
+def _tiny_model(block: int):
+    from .. import TidarForCausalLM
+
+    ar, tokenizer = tiny_ar_model()
+    return TidarForCausalLM.from_ar(ar, block_size=block, tokenizer=tokenizer), tokenizer
+
+
+def _load_path(path: str, block: int):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from .. import TidarForCausalLM
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no model folder at {path} (or use one of: {', '.join(BUILTIN_MODELS)})")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if AutoConfig.from_pretrained(path).model_type == "tidar":
+        return AutoModelForCausalLM.from_pretrained(path), tokenizer, f"{Path(path).name} (TiDAR)"
+    model = TidarForCausalLM.from_ar(path, block_size=block, tokenizer=tokenizer)
+    return model, tokenizer, f"{Path(path).name} (converted, untrained [MASK] drafts)"
+
+
+def _load_assistant(path: str, main) -> torch.nn.Module:
+    """A draft model for transformers' assisted decoding, sharing the main model's tokenizer.
+
+    The TiDAR model has one more embedding row (``[MASK]``) than the AR checkpoint it came from; the
+    assistant's vocabulary is grown to match so transformers takes its same-tokenizer path. The main model
+    suppresses ``[MASK]`` and verifies every proposal, so a proposed ``[MASK]`` is simply rejected.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no assistant model folder at {path}")
+    assistant = AutoModelForCausalLM.from_pretrained(path)
+    rows, target = assistant.get_input_embeddings().num_embeddings, main.get_input_embeddings().num_embeddings
+    if rows > target:
+        raise ValueError(f"--assistant has {rows} embedding rows but the model has {target}: not the same tokenizer.")
+    if rows < target:
+        assistant.resize_token_embeddings(target, mean_resizing=False)
+    return assistant
+
+
+def _load_diffusion(path: str, tokenizer) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if not Path(path).exists():
+        raise FileNotFoundError(f"no diffusion model folder at {path}")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    if model.get_input_embeddings().num_embeddings < len(tokenizer):
+        raise ValueError(f"{path} has a smaller vocabulary than the benchmark's tokenizer: it needs the same one.")
+    return model
