@@ -133,6 +133,23 @@ def to_block_mask(layout: TidarLayout, block_size: int = 128):
     )
 
 
+MaskRenderer = Callable[[TidarLayout, torch.dtype], object]
+"""``(layout, dtype) -> mask`` in the format one attention implementation takes."""
+
+MASK_RENDERERS: dict[str, MaskRenderer] = {
+    "sdpa": lambda layout, dtype: to_bool_mask(layout),
+    "eager": to_additive_mask,
+    "flex_attention": lambda layout, dtype: to_block_mask(layout),
+}
+"""``attn_implementation`` -> its renderer. :mod:`hf_tidar.kernels` adds ``tidar_triton``: kernels sit above this
+module (their descriptors read :class:`TidarLayout`), so they register themselves instead of being imported."""
+
+
+def register_mask_renderer(attn_implementation: str, renderer: MaskRenderer) -> None:
+    """Make :func:`render_mask` hand layouts for ``attn_implementation`` to ``renderer``."""
+    MASK_RENDERERS[attn_implementation] = renderer
+
+
 def render_mask(layout: TidarLayout, attn_implementation: str | None, dtype: torch.dtype) -> object:
     """Render ``layout`` in the format the backbone's attention implementation expects.
 
@@ -141,22 +158,14 @@ def render_mask(layout: TidarLayout, attn_implementation: str | None, dtype: tor
     itself, no dense mask). FlashAttention cannot take a structured mask at all.
     """
     impl = attn_implementation or "sdpa"
-    if impl == "sdpa":
-        return to_bool_mask(layout)
-    if impl == "eager":
-        return to_additive_mask(layout, dtype)
-    if impl == "flex_attention":
-        return to_block_mask(layout)
-    if impl == "tidar_triton":
-        # No dense mask: a 4D stand-in carrying the layout, which the Triton kernel reads as
-        # per-token descriptors. Imported here because hf_tidar.kernels imports this module.
-        from .kernels.descriptors import TidarMaskCarrier
-
-        return TidarMaskCarrier(layout)
-    raise ValueError(
-        f"attn_implementation={impl!r} cannot take TiDAR's structured attention masks. "
-        "Load the model with attn_implementation='sdpa' (default), 'eager', 'flex_attention' or 'tidar_triton'."
-    )
+    renderer = MASK_RENDERERS.get(impl)
+    if renderer is None:
+        names = [repr(name) + (" (default)" if name == "sdpa" else "") for name in MASK_RENDERERS]
+        raise ValueError(
+            f"attn_implementation={impl!r} cannot take TiDAR's structured attention masks. "
+            f"Load the model with attn_implementation={', '.join(names[:-1])} or {names[-1]}."
+        )
+    return renderer(layout, dtype)
 
 
 # --------------------------------------------------------------------------------------------

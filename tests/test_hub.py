@@ -17,9 +17,9 @@ from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
 from toy import tiny_ar_model
 from transformers import AutoModelForCausalLM, GenerationConfig, TextIteratorStreamer, pipeline
 
-import hf_tidar.generation.tidar as tidar_module
 from hf_tidar import TidarForCausalLM, __version__
 from hf_tidar.cli import EXIT_HUB, build_parser, main
+from hf_tidar.generation.decode_loops import DECODE_LOOPS
 from hf_tidar.hub import (
     CardInputs,
     HubPushError,
@@ -170,13 +170,13 @@ def test_default_strategy_survives_save_and_load(folders, tmp_path, monkeypatch)
 
 
 def _count_tidar_calls(monkeypatch) -> list:
-    calls, original = [0], tidar_module.tidar_decode
+    calls, original = [0], DECODE_LOOPS["tidar"]
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(tidar_module, "tidar_decode", counting)
+    monkeypatch.setitem(DECODE_LOOPS, "tidar", counting)  # generate looks its loop up there
     return calls
 
 

@@ -16,6 +16,7 @@ import torch
 from transformers import LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.configuration_utils import GenerationMode
 
+from .decode_loops import decode_loops
 from .outputs import StrategyGenerateOutput
 from .processors import MaskTokenSuppressor
 
@@ -23,10 +24,8 @@ DEFAULT_STRATEGY = "ar"
 
 
 def _strategy_loops() -> dict[str, Callable]:
-    from ..cdlm.decoding import cdlm_decode, dlm_decode
-    from .tidar import tidar_decode
-
-    return {"tidar": tidar_decode, "cdlm": cdlm_decode, "dlm": dlm_decode}
+    """The registered decode loops (:mod:`.decode_loops`), read at each call: tests spy on them here."""
+    return decode_loops()
 
 
 class StrategyGenerationMixin:

@@ -11,7 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .._stack import user_stacklevel
-from ..masks import TidarLayout, to_bool_mask
+from ..masks import TidarLayout, register_mask_renderer, to_bool_mask
 from .descriptors import TidarMaskCarrier, TileDescriptors
 
 ATTN_IMPLEMENTATION = "tidar_triton"
@@ -125,11 +125,14 @@ def tidar_triton_attention_forward(
 
 
 def register() -> None:
-    """Register ``tidar_triton`` with transformers' attention and mask interfaces.
+    """Register ``tidar_triton`` with transformers' attention and mask interfaces, and with
+    :func:`hf_tidar.masks.render_mask`.
 
-    Both are needed: without a mask function transformers builds no mask for a backend at all, so
-    the plain-AR fallback would silently run unmasked. ``sdpa_mask`` is the right one because that
-    fallback is sdpa.
+    Both transformers registrations are needed: without a mask function transformers builds no mask for a
+    backend at all, so the plain-AR fallback would silently run unmasked. ``sdpa_mask`` is the right one
+    because that fallback is sdpa. TiDAR's own masks for this backend are no dense mask but a 4D stand-in
+    carrying the layout, which the kernel reads as per-token descriptors.
     """
     AttentionInterface.register(ATTN_IMPLEMENTATION, tidar_triton_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    register_mask_renderer(ATTN_IMPLEMENTATION, lambda layout, dtype: TidarMaskCarrier(layout))
