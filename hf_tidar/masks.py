@@ -247,13 +247,13 @@ def tidar_decode_layout(
     return _concat(parts, query_len=draft_len * (1 + len(groups)))
 
 
-class DecodeStepMasks:
-    """Decode-step masks for one draft layout, rendered once and completed per step.
+class StepMaskTemplate:
+    """The fixed part of every decode-step mask under one draft layout, rendered once per layout.
 
     Every query of a decode step sees every real cached token (all horizons are at least ``p``), so a
     step's mask is ``[prefix_valid | fixed query-query block]``. The block and the query position
     offsets come from :func:`tidar_decode_layout` (so from the one predicate) once per layout;
-    :class:`DecodeMaskState` completes them per step.
+    :class:`DecodeMaskBuffer` completes them per step.
     """
 
     def __init__(self, draft_len: int, groups: Sequence[int], device: torch.device | str = "cpu"):
@@ -267,7 +267,7 @@ class DecodeStepMasks:
         self.query_len = self.block.shape[0]
 
 
-class DecodeMaskState:
+class DecodeMaskBuffer:
     """The cache's validity and the rendered step mask of one decode, updated in place.
 
     Per step only what changed is written: the layout's query block at the cache's end (``q x q``)
@@ -294,7 +294,7 @@ class DecodeMaskState:
             self.valid = grown
             self._mask = None
 
-    def step_mask(self, step: DecodeStepMasks, attn_implementation: str | None, dtype: torch.dtype) -> object:
+    def step_mask(self, step: StepMaskTemplate, attn_implementation: str | None, dtype: torch.dtype) -> object:
         """The mask of the next step under layout ``step``, in the backend's format."""
         impl = attn_implementation or "sdpa"
         if impl not in ("sdpa", "eager"):
@@ -308,7 +308,7 @@ class DecodeMaskState:
         allowed = self._mask[..., :end]
         return allowed if impl == "sdpa" else _additive(allowed, dtype)
 
-    def position_ids(self, step: DecodeStepMasks) -> torch.Tensor:
+    def position_ids(self, step: StepMaskTemplate) -> torch.Tensor:
         """``[batch, q]`` position ids of the next step's queries."""
         return self.positions[:, None] + step.offsets
 

@@ -144,25 +144,25 @@ def test_flash_attention_is_refused_with_a_clear_error():
 
 
 @pytest.mark.parametrize("k,groups", [(1, [1]), (3, [1, 2, 3]), (4, [1, 3]), (5, [1]), (4, [])])
-def test_decode_step_masks_equal_the_full_layout_rendering(k, groups):
+def test_step_mask_templates_equal_the_full_layout_rendering(k, groups):
     """Also: every decode query sees every valid cached token (what the per-step mask relies on); groups
     ``[]`` is a verification-only pass."""
-    from hf_tidar.masks import DecodeMaskState, DecodeStepMasks
+    from hf_tidar.masks import DecodeMaskBuffer, StepMaskTemplate
 
     prefix_valid = torch.rand(3, 11, generator=torch.Generator().manual_seed(k)) > 0.3  # holes and padding
-    step = DecodeStepMasks(k, groups)
+    step = StepMaskTemplate(k, groups)
     layout = tidar_decode_layout(prefix_valid, k, groups)
-    assert torch.equal(DecodeMaskState(prefix_valid).step_mask(step, "sdpa", torch.float32), to_bool_mask(layout))
-    assert torch.equal(DecodeMaskState(prefix_valid).step_mask(step, "eager", torch.float32), to_additive_mask(layout))
-    assert torch.equal(DecodeMaskState(prefix_valid).position_ids(step), layout.query_position_ids)
+    assert torch.equal(DecodeMaskBuffer(prefix_valid).step_mask(step, "sdpa", torch.float32), to_bool_mask(layout))
+    assert torch.equal(DecodeMaskBuffer(prefix_valid).step_mask(step, "eager", torch.float32), to_additive_mask(layout))
+    assert torch.equal(DecodeMaskBuffer(prefix_valid).position_ids(step), layout.query_position_ids)
 
 
-def test_incremental_decode_mask_state_equals_fresh_renderings():
-    from hf_tidar.masks import DecodeMaskState, DecodeStepMasks
+def test_incremental_decode_mask_buffer_equals_fresh_renderings():
+    from hf_tidar.masks import DecodeMaskBuffer, StepMaskTemplate
 
     generator = torch.Generator().manual_seed(0)
-    state = DecodeMaskState(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool))
-    layouts = [DecodeStepMasks(3, [1, 2, 3]), DecodeStepMasks(2, [1]), DecodeStepMasks(3, [1, 3])]
+    state = DecodeMaskBuffer(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool))
+    layouts = [StepMaskTemplate(3, [1, 2, 3]), StepMaskTemplate(2, [1]), StepMaskTemplate(3, [1, 3])]
     for step in range(9):
         masks = layouts[step % len(layouts)]
         layout = tidar_decode_layout(state.prefix_valid, masks.draft_len, masks.groups)

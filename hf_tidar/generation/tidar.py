@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
-from .._stack import user_stacklevel
+from .._warning_stacklevel import user_stacklevel
 from ..cache import DraftCache
-from ..masks import DecodeMaskState, DecodeStepMasks, tidar_prefill_layout
+from ..masks import DecodeMaskBuffer as DecodeMaskState
+from ..masks import StepMaskTemplate as DecodeStepMasks
+from ..masks import tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
 from .auto_layout import AutoLayout
 from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES, NgramIndex, SourceChooser

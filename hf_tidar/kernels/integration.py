@@ -10,7 +10,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .._stack import user_stacklevel
+from .._warning_stacklevel import user_stacklevel
 from ..masks import TidarLayout, register_mask_renderer, to_bool_mask
 from .descriptors import TidarMaskCarrier, TileDescriptors
 
