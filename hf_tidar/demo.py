@@ -15,6 +15,7 @@ from rich.table import Table
 from transformers import TextStreamer
 
 from . import cpu
+from .assets import SHIPPED_ADAPTER
 from .checkpoints import load_smollm2
 from .modeling import TidarForCausalLM
 
@@ -53,10 +54,6 @@ def _timed(fn):
     start = time.perf_counter()
     result = fn()
     return result, time.perf_counter() - start
-
-
-SHIPPED_ADAPTER = Path(__file__).parent / "adapters" / "smollm2-135m-instruct-tidar-b4"
-"""The gated-LoRA TiDAR adapter for SmolLM2-135M-Instruct that ships with the package (block size 4)."""
 
 
 def build_demo_model(ar_model, tokenizer, adapter: Path | None, block_size: int):

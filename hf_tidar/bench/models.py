@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
+from ..assets import SHIPPED_ADAPTER
 from .config import DTYPES, BenchConfig
 
 BUILTIN_MODELS = ("smollm2", "tiny")
@@ -43,7 +44,6 @@ def load_models(config: BenchConfig) -> Models:
     ar_baseline = None
     if config.model == "smollm2" and config.adapter:
         from ..checkpoints import load_smollm2
-        from ..demo import SHIPPED_ADAPTER
         from ..training.gated_lora import load_tidar_adapter
 
         ar_baseline, tokenizer = load_smollm2(quiet=True)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
+
+from ..assets import prompt_set_file
 
 PROMPT_SETS = ("code", "chat", "arithmetic")
 
@@ -26,7 +27,7 @@ def load_prompt_set(name: str) -> list[Prompt]:
     """A prompt set shipped with the package (``code``, ``chat`` or ``arithmetic``)."""
     if name not in PROMPT_SETS:
         raise ValueError(f"Unknown prompt set {name!r}; the shipped sets are {', '.join(PROMPT_SETS)}.")
-    text = resources.files("hf_tidar").joinpath("prompts", f"{name}.jsonl").read_text(encoding="utf-8")
+    text = prompt_set_file(name).read_text(encoding="utf-8")
     return [_prompt_from_record(json.loads(line), name) for line in text.splitlines() if line.strip()]
 
 

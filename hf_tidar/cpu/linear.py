@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..checkpoints import cache_root
+from ..assets import cache_root
 
 logger = logging.getLogger(__name__)
 

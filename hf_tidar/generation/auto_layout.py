@@ -35,8 +35,8 @@ import torch
 from tqdm import tqdm
 
 from .._logging import get_logger
+from ..assets import cache_root
 from ..cache import DraftCache
-from ..checkpoints import cache_root
 from .layout import DraftLayout
 
 logger = get_logger(__name__)

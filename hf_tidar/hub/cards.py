@@ -17,9 +17,9 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from ..assets import MODEL_CARD_TEMPLATES
 from .saved_folder import base_model_of, detect_kind, parameter_count, read_json, saved_strategy
 
-TEMPLATES = Path(__file__).parent.parent / "model_cards"
 KINDS = {"tidar": "tidar.md", "tidar-adapter": "tidar_adapter.md", "cdlm": "cdlm.md"}
 DEFAULT_STRATEGY = {"tidar": "tidar", "cdlm": "cdlm"}
 COMMON_TAGS = ["tidar", "speculative-decoding", "diffusion-lm", "transformers"]
@@ -118,7 +118,7 @@ def render_card(
         values["strategy_text"] = strategy_text(folder, kind, strategy)
     values["training_section"] = training_section(inputs.training_args)
     values["benchmark_section"] = benchmark_section(inputs.benchmark)
-    card = ModelCard.from_template(data, template_path=str(TEMPLATES / KINDS[kind]), **values)
+    card = ModelCard.from_template(data, template_path=str(MODEL_CARD_TEMPLATES / KINDS[kind]), **values)
     check_card(card)
     return card
 

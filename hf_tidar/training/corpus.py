@@ -19,6 +19,7 @@ from pathlib import Path
 
 from datasets import Dataset
 
+from ..assets import STDLIB_HELD_OUT_LIST
 from .data import pack_texts, stdlib_root, stdlib_source_files
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".toml")
@@ -27,7 +28,6 @@ STDLIB = "stdlib"
 """Source name for the Python standard library's own ``.py`` files (tests excluded)."""
 DEFAULT_HELD_OUT_FRACTION = 0.05
 """The held-out share ``hf-tidar train`` and ``distill`` use unless told otherwise."""
-STDLIB_HELD_OUT_LIST = Path(__file__).resolve().parent.parent / "prompts" / "stdlib_held_out.txt"
 
 
 @dataclass
