@@ -1,4 +1,4 @@
-"""Every private transformers / torch API that hf_tidar relies on still exists and behaves as used.
+"""Every private transformers / PEFT / torch API that hf_tidar relies on still exists and behaves as used.
 
 docs/compatibility.md lists them with the reason for each; when an upgrade removes one, the test
 named after it fails here, before anything deeper breaks.
@@ -66,3 +66,11 @@ def test_onednn_linear_ops_are_offered_only_when_present_and_compute_a_linear():
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
     out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
+
+
+def test_peft_keeps_its_config_registry_and_hf_tidar_registered_the_refusal():
+    from peft.mapping import PEFT_TYPE_TO_CONFIG_MAPPING
+
+    from hf_tidar.adapter_format import GATED_PEFT_TYPE, GatedAdapterRefusal
+
+    assert PEFT_TYPE_TO_CONFIG_MAPPING.get(GATED_PEFT_TYPE) is GatedAdapterRefusal

@@ -109,3 +109,26 @@ def test_bad_lookup_length_is_refused(looping_model, bad):
     with pytest.raises(ValueError, match="lookup_length must be a positive integer"):
         looping_model.generate(torch.tensor([[1, 2]]), strategy="tidar", draft_source="best", lookup_length=bad,
                                max_new_tokens=2)
+
+
+def test_with_pass_costs_the_chooser_compares_tokens_per_second():
+    costs = {"prompt_lookup": 1.0, "diffusion": 2.0}  # a lookup pass verifies only: cheaper
+    by_count, by_rate = SourceChooser(), SourceChooser(pass_cost=costs.__getitem__)
+    for chooser in (by_count, by_rate):
+        for _ in range(20):
+            chooser.observe("prompt_lookup", 1)  # 2 tokens per pass
+            chooser.observe("diffusion", 2)  # 3 tokens per pass, at twice the cost
+    assert not by_count.prefers_lookup() and by_rate.prefers_lookup()
+
+
+def test_auto_layout_drafts_by_lookup_where_it_pays_and_stays_exact(looping_model, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    prompt = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4]])
+    settings = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ar = looping_model.generate(prompt, **settings)
+        queries = _spy_query_tokens(looping_model, monkeypatch)
+        out = looping_model.generate(prompt, strategy="tidar", draft_layout="auto", **settings)
+    assert torch.equal(out, ar)
+    mask_id = looping_model.config.mask_token_id
+    assert any(not bool((q == mask_id).any()) for q in queries[1:])  # "best" is auto's default source

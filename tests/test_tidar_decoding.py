@@ -409,3 +409,25 @@ def test_sliding_window_backbones_are_refused():
     with pytest.raises(ValueError, match="sliding-window"):
         TidarForCausalLM.from_ar(tiny_ar_model("qwen2", use_sliding_window=True, sliding_window=8,
                                                max_window_layers=0))
+
+
+def test_auto_layout_charges_the_mask_rows_adapter_work_only_to_passes_with_groups():
+    from hf_tidar.generation.layout import verification_layout
+
+    flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}
+    chooser = AutoLayout(flat, 4, mask_overhead=0.25)
+    assert chooser.step_cost(DraftLayout(2, (1,))) == 1.25
+    assert chooser.step_cost(verification_layout(4)) == 1.0  # lookup drafts only: no [MASK] row
+
+
+def test_the_mask_overhead_is_cached_per_adapter_form(counting_model, tmp_path, monkeypatch):
+    from hf_tidar.generation import auto_layout
+
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    model = _copy(counting_model)
+    assert auto_layout.measure_mask_overhead(model, repeats=1) >= 0.0
+    auto_layout.load_or_measure_mask_overhead(model)
+    assert [p.name.split(".mask-")[1] for p in tmp_path.glob("profiles/*.mask-*.json")] == ["none.json"]
+    monkeypatch.setattr(auto_layout, "_adapter_tag", lambda model: "lean")
+    auto_layout.load_or_measure_mask_overhead(model)
+    assert len(list(tmp_path.glob("profiles/*.mask-*.json"))) == 2

@@ -48,6 +48,17 @@ def test_gated_lora_training_is_lossless_and_resume_checks_the_method(tmp_path, 
     assert summary["diffusion_losses"][-1] < frozen["diffusion_losses"][-1]  # same batches: the drafts learned
     assert summary["ar_losses"] == frozen["ar_losses"]  # ...and the clean path did not move at all
     assert (out / "adapter_config.json").exists() and (out / "checkpoint-4" / "tidar_training.json").exists()
+    # The adapter and Trainer's checkpoints are marked gated: PEFT and transformers can't load them ungated.
+    for folder in (out, out / "checkpoint-4"):
+        assert json.loads((folder / "adapter_config.json").read_text())["peft_type"] == "TIDAR_GATED_LORA"
+    # ...and resuming reads a marked checkpoint's weights: nothing is left to train, so they are saved as they are.
+    _run(tmp_path, capsys, "--method", "lora", "--max-steps", "4", "--resume", str(out / "checkpoint-4"),
+         "--output", str(tmp_path / "resumed"))
+    from safetensors.torch import load_file
+
+    resumed, checkpoint = (load_file(f / "adapter_model.safetensors") for f in (tmp_path / "resumed", out / "checkpoint-4"))
+    assert any(name.endswith("lora_B.weight") and tensor.abs().sum() > 0 for name, tensor in resumed.items())
+    assert all(torch.equal(tensor, checkpoint[name]) for name, tensor in resumed.items())
 
     ar, tokenizer = load_starting_point("tiny")
     model = load_tidar_adapter(ar, out).double()

@@ -76,8 +76,8 @@ def _source_variants(config: BenchConfig) -> list[tuple[str, dict]]:
     """(name suffix, generate kwargs) per draft source, and per lookup length for the lookup sources."""
     variants = []
     for source in config.draft_sources:
-        if source == "diffusion":
-            variants.append(("", {}))
+        if source == "diffusion":  # explicit: draft_layout="auto" would otherwise choose sources too
+            variants.append(("", {"draft_source": "diffusion"}))
             continue
         lengths = sorted(set(config.lookup_lengths))
         for length in lengths:

@@ -194,7 +194,7 @@ def choices_for(out_features: int, in_features: int, dtype: torch.dtype, remeasu
                    for method, per_rows in json.loads(path.read_text())["timings"].items()}
     else:
         logger.warning(
-            "hf_tidar: timing matmul paths for a %dx%d %s weight on this CPU (a few seconds, once; cached in %s)",
+            "timing matmul paths for a %dx%d %s weight on this CPU (a few seconds, once; cached in %s)",
             out_features, in_features, str(dtype).removeprefix("torch."), path.parent,
         )
         timings = profile_shape(out_features, in_features, dtype)

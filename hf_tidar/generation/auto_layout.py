@@ -44,6 +44,7 @@ logger = get_logger(__name__)
 REPLAN_EVERY = 8  # passes between layout choices
 PROFILE_CACHE_LEN = 256  # cached tokens the cost is measured against
 PROFILE_REPEATS = 5
+MASK_PROBE_QUERY = 4  # query tokens of the mask-overhead probe (half of them [MASK])
 LM_HEAD_ROWS = 9  # rows the LM head is timed on, against one row, for its per-row cost
 PROBE_RUNS = 4  # prefills timed before profiling (the first warms up): the time estimate and a noise reading
 #: a 1-minute load average above this many runnable tasks per core means other work skewed the timings
@@ -120,6 +121,63 @@ def measure_lm_head_cost(model, repeats: int = PROFILE_REPEATS) -> float:
             timings.append(time.perf_counter() - start)
         deltas.append(max(0.0, (timings[1] - timings[0]) / (LM_HEAD_ROWS - 1)))
     return sorted(deltas[1:])[len(deltas[1:]) // 2]
+
+
+def measure_mask_overhead(model, repeats: int = PROFILE_REPEATS) -> float:
+    """Median seconds that a ``[MASK]`` tail adds to a forward: the work of a gated adapter, which acts on
+    mask rows only (about 0 without one).
+
+    Times ``MASK_PROBE_QUERY`` query tokens over the profile's cache with and without a tail of half of them
+    ``[MASK]`` (the shape of a ``k = 2`` pass with one group), interleaved. The cost curve itself is measured
+    on clean tokens, so a verification-only pass (no mask) is priced by the curve and a pass with mask groups
+    by the curve plus this.
+    """
+    device, vocab = model.device, model.config.get_text_config().vocab_size
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, vocab, (1, PROFILE_CACHE_LEN), generator=generator).to(device)
+    cache = DraftCache(config=model.config.get_text_config())
+    model.model(input_ids=prompt, cache=cache, use_cache=True)
+    q = MASK_PROBE_QUERY
+    clean = torch.randint(0, vocab, (1, q), generator=generator).to(device)
+    masked = clean.clone()
+    masked[:, q // 2 :] = model.require_mask_token_id()
+    positions = torch.arange(PROFILE_CACHE_LEN, PROFILE_CACHE_LEN + q, device=device)[None]
+    mask = torch.ones(1, 1, q, PROFILE_CACHE_LEN + q, dtype=torch.bool, device=device)
+    if model.config.get_text_config()._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=model.dtype, device=device)
+    deltas = []
+    for _ in range(repeats + 1):  # the first pair warms up
+        timings = []
+        for ids in (clean, masked):
+            sync_device(device)
+            start = time.perf_counter()
+            model.model(input_ids=ids, cache=cache, use_cache=True, position_ids=positions, attention_mask=mask)
+            sync_device(device)
+            timings.append(time.perf_counter() - start)
+            cache.keep_first(PROFILE_CACHE_LEN)
+        deltas.append(max(0.0, timings[1] - timings[0]))
+    return sorted(deltas[1:])[len(deltas[1:]) // 2]
+
+
+def _adapter_tag(model) -> str:
+    """What acts on ``[MASK]`` rows: the cost curve does not depend on it, the mask overhead does."""
+    from ..adapters import is_lean
+
+    if is_lean(model):
+        return "lean"
+    lora = sum(1 for name, _ in model.named_modules() if name.endswith("lora_A"))
+    return f"peft{lora}" if lora else "none"
+
+
+def load_or_measure_mask_overhead(model) -> float:
+    """:func:`measure_mask_overhead`, once per model/device/dtype/threads and adapter form, cached on disk."""
+    path = cache_root() / "profiles" / f"{_profile_key(model)}.mask-{_adapter_tag(model)}.json"
+    if path.exists():
+        return float(json.loads(path.read_text())["seconds"])
+    seconds = measure_mask_overhead(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"seconds": seconds}))
+    return seconds
 
 
 def load_or_measure_lm_head_cost(model) -> float:
@@ -348,10 +406,12 @@ def expected_tokens_per_pass(layout: DraftLayout, alpha: list[float]) -> float:
 class AutoLayout:
     """Chooses ``(k, groups)`` from measured costs and running acceptance; one per model."""
 
-    def __init__(self, costs: dict[int, float], block_size: int, lm_head_row_cost: float = 0.0):
+    def __init__(self, costs: dict[int, float], block_size: int, lm_head_row_cost: float = 0.0,
+                 mask_overhead: float = 0.0):
         self.costs = costs
         self.block_size = block_size
         self.lm_head_row_cost = lm_head_row_cost
+        self.mask_overhead = mask_overhead
         self.stats = AcceptanceStats(block_size)
         self.candidates = [
             DraftLayout(k, tuple(range(1, g + 1))) for k in range(1, block_size + 1) for g in range(1, k + 1)
@@ -367,11 +427,12 @@ class AutoLayout:
         A new chooser (and profile) is made when the block size, device, dtype, attention implementation
         or thread count changed since.
         """
-        key = (model.config.block_size, _profile_key(model))
+        key = (model.config.block_size, _profile_key(model), _adapter_tag(model))
         chooser = getattr(model, "_tidar_auto_layout", None)
         if chooser is None or chooser.key != key:
             block = model.config.block_size
-            chooser = cls(load_or_measure_costs(model, block * (block + 1)), block, load_or_measure_lm_head_cost(model))
+            chooser = cls(load_or_measure_costs(model, block * (block + 1)), block,
+                          load_or_measure_lm_head_cost(model), load_or_measure_mask_overhead(model))
             chooser.key = key
             model._tidar_auto_layout = chooser
         return chooser
@@ -386,10 +447,12 @@ class AutoLayout:
 
     def step_cost(self, layout: DraftLayout) -> float:
         """Seconds of one pass: the profiled forward (which projects ``min(q, 4)`` rows onto the vocabulary)
-        plus the LM head on the rest of the rows a step projects (``layout.projected_rows``)."""
+        plus the LM head on the rest of the rows a step projects (``layout.projected_rows``), plus the
+        adapter's work on the mask rows when the layout has mask groups."""
         q = layout.query_len
         extra_rows = max(0, len(layout.projected_rows) - min(q, 4))
-        return interpolate(self.costs, q) + extra_rows * self.lm_head_row_cost
+        masks = self.mask_overhead if layout.groups else 0.0
+        return interpolate(self.costs, q) + extra_rows * self.lm_head_row_cost + masks
 
     def tokens_per_second(self, layout: DraftLayout) -> float:
         """Expected tokens per second of ``layout`` under the current statistics."""

@@ -14,7 +14,7 @@ more (a lookup is only a candidate when it found a match).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 DRAFT_SOURCES = ("diffusion", "prompt_lookup", "best")
 """``draft_source`` values: diffusion slots only; prompt lookup where it matches (diffusion elsewhere);
@@ -53,23 +53,36 @@ class NgramIndex:
 
 
 class SourceChooser:
-    """Running mean of accepted drafts per source, with a prior that lets each be tried."""
+    """Running mean of accepted drafts per source, with a prior that lets each be tried.
+
+    Without pass costs, the source expected to get more drafts accepted wins. With ``pass_cost``
+    (seconds of a pass for each source, as the auto layout measures them), the one expected to commit
+    more tokens per second wins: a lookup pass verifies drafts only and is cheaper than a diffusion pass
+    with its mask groups, so a lookup that is right a little less often can still be the faster choice.
+    """
 
     PRIOR_PASSES = 2.0
 
-    def __init__(self, priors: dict[str, float] | None = None):
+    def __init__(self, priors: dict[str, float] | None = None,
+                 pass_cost: Callable[[str], float] | None = None):
         self.priors = priors or {"diffusion": 0.5, "prompt_lookup": 1.0}
         self.accepted = {source: 0.0 for source in self.priors}
         self.passes = {source: 0 for source in self.priors}
+        self.pass_cost = pass_cost
 
     def expected(self, source: str) -> float:
         """Expected drafts accepted per pass (beyond the verifier's own first token)."""
         prior = self.priors[source] * self.PRIOR_PASSES
         return (self.accepted[source] + prior) / (self.passes[source] + self.PRIOR_PASSES)
 
+    def rate(self, source: str) -> float:
+        """Expected tokens per pass (the verifier's own plus accepted drafts), per second when costs are known."""
+        tokens = 1.0 + self.expected(source)
+        return tokens / self.pass_cost(source) if self.pass_cost else tokens
+
     def prefers_lookup(self) -> bool:
         """Whether a found prompt-lookup match should be drafted instead of the diffusion slots."""
-        return self.expected("prompt_lookup") >= self.expected("diffusion")
+        return self.rate("prompt_lookup") >= self.rate("diffusion")
 
     def observe(self, source: str, accepted: int) -> None:
         """Record a pass whose drafts from ``source`` had ``accepted`` of them accepted."""

@@ -123,9 +123,17 @@ class TidarDecoder:
         # nothing: no mask group, so it costs what a prompt-lookup pass of transformers costs. The mixed
         # verifier needs every group's first slot, so it keeps the full layout.
         self.lookup_length = lookup_length if not self.mixed else None
+        if self.auto and self.lookup_length:  # choose sources by tokens per second under the measured costs
+            self.chooser.pass_cost = self._source_pass_cost
         if draft_source != "diffusion":
             for row, prompt, valid in zip(self.rows, input_ids, attention_mask.bool(), strict=True):
                 row.ngrams = NgramIndex(prompt[valid].tolist())
+
+    def _source_pass_cost(self, source: str) -> float:
+        """Measured seconds of the next pass with drafts from ``source`` (under ``draft_layout="auto"``)."""
+        if source == "prompt_lookup":
+            return self.auto.step_cost(verification_layout(1 + self.lookup_length))
+        return self.auto.step_cost(self.layout)
 
     def _buffer(self, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
         ids = torch.zeros(1, capacity, dtype=torch.long, device=prompt.device)
@@ -505,7 +513,7 @@ def tidar_decode(
     draft_groups: list[int] | None = None,
     draft_layout: str | None = None,
     verifier_weight: float = 1.0,
-    draft_source: str = "diffusion",
+    draft_source: str | None = None,
     lookup_length: int = DEFAULT_LOOKUP_LENGTH,
     **model_kwargs,
 ):
@@ -519,14 +527,18 @@ def tidar_decode(
         verifier_weight: ``beta`` of the mixed verifier in ``[0, 1]``; 1 (default) is exact AR verification.
             Below 1, position ``p + i`` is verified against ``beta * AR + (1 - beta) * diffusion``, the
             diffusion term being group ``i``'s first slot of the same pass (so every group must be computed).
-        draft_source: where a pass's drafts come from: ``"diffusion"`` (default) the mask slots,
-            ``"prompt_lookup"`` an n-gram match in the context where there is one (the slots elsewhere),
-            ``"best"`` per pass the source with the higher running mean of accepted drafts. Every source is
-            verified the same way, so the output does not depend on it; only the speed does.
+        draft_source: where a pass's drafts come from: ``"diffusion"`` the mask slots (the default with a
+            fixed layout), ``"prompt_lookup"`` an n-gram match in the context where there is one (the slots
+            elsewhere), ``"best"`` per pass the source with the higher running mean of accepted drafts —
+            under ``draft_layout="auto"`` (where it is the default) of tokens per second, from the measured
+            pass costs. Every source is verified the same way, so the output does not depend on it; only
+            the speed does.
         lookup_length: the most prompt-lookup drafts one pass verifies (default 4). A pass whose drafts all
             come from lookup computes no mask group (it verifies only, at the cost of a prompt-lookup pass);
             the next pass drafts by lookup again, or by the diffusion slots from the verified token on.
     """
+    if draft_source is None:
+        draft_source = "best" if draft_layout == "auto" and verifier_weight == 1.0 else "diffusion"
     if draft_source not in DRAFT_SOURCES:
         raise ValueError(f"draft_source must be one of {', '.join(map(repr, DRAFT_SOURCES))}, got {draft_source!r}.")
     if not isinstance(lookup_length, int) or isinstance(lookup_length, bool) or lookup_length < 1:

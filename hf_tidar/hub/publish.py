@@ -16,6 +16,7 @@ from typing import Any
 from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 
+from ..adapter_format import marked_config_text
 from .cards import CARD_FILE, DEFAULT_STRATEGY, CardInputs, check_card, check_hub_id, render_card
 from .saved_folder import detect_kind
 
@@ -58,8 +59,9 @@ def plan_upload(
 
     * full models: safetensors weights, ``config.json``, ``generation_config.json`` (with ``strategy`` set,
       default the model kind's own: ``tidar`` / ``cdlm``), the tokenizer files and ``README.md``;
-    * adapters: ``adapter_config.json``, ``adapter_model.safetensors``, ``tidar_gate.json``, tokenizer files
-      if present, and ``README.md``;
+    * adapters: ``adapter_config.json`` (with the gated marker, ``hf_tidar.adapter_format``, even if the folder's
+      own file predates it), ``adapter_model.safetensors``, ``tidar_gate.json``, tokenizer files if present, and
+      ``README.md``;
     * a folder without ``README.md`` gets a rendered card (:func:`render_card`) in the commit.
 
     Raises:
@@ -78,6 +80,9 @@ def plan_upload(
         _check_full_model_files(folder, present)
     wanted |= set(TOKENIZER_FILES) | {CARD_FILE}
     files: dict[str, Path | bytes] = {name: folder / name for name in sorted(present & wanted)}
+    if kind == "tidar-adapter" and "tidar_gate.json" in present:
+        # A folder saved before the gated marker existed says "LORA", which PEFT would load ungated: publish it marked.
+        files["adapter_config.json"] = marked_config_text(folder).encode("utf-8")
     published_strategy = None
     if kind != "tidar-adapter":
         published_strategy = strategy or DEFAULT_STRATEGY[kind]

@@ -22,8 +22,13 @@ last mask, or the last group), and during ``generate`` it fixes the offsets once
 which holds no ``[MASK]`` — so the TiDAR decode loop would run the base model only.
 
 The adapters can't be merged into the weights: a merged delta acts on every token, clean ones
-included, which changes the AR path. :func:`load_gated_lora` re-installs the gate; a plain
-``PeftModel.from_pretrained`` loads the same weights *ungated* (not lossless).
+included, which changes the AR path. :func:`load_gated_lora` re-installs the gate. Loaded as plain LoRA the
+same weights would act *ungated* (not lossless), so a saved adapter's ``adapter_config.json`` says
+``"peft_type": "TIDAR_GATED_LORA"`` (:mod:`hf_tidar.adapter_format`): ``PeftModel.from_pretrained``,
+``model.load_adapter``, ``AutoModelForCausalLM.from_pretrained`` and ``pipeline`` on the folder refuse it with
+an error naming :func:`load_tidar_adapter`, while this module's loaders read the marker (and the plain ``"LORA"``
+of folders saved before it). Gated models carry a ``GatedLoraConfig``, so every PEFT save of one, Trainer
+checkpoints included, is marked.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import torch
 from torch import nn
 
 from .._quiet import ignore_warnings
+from ..adapter_format import as_gated_config, mark_gated, read_lora_config
 
 GATE_FILE = "tidar_gate.json"
 """Written next to ``adapter_config.json``: mask token, block size and the base model's architecture."""
@@ -155,11 +161,12 @@ def install_mask_gate(peft_model: nn.Module) -> MaskGate:
 
 
 def gated_lora_config(rank: int = 16, alpha: int | None = None, dropout: float = 0.0, target_modules=None):
-    """A plain ``LoraConfig`` for gated LoRA: attention + MLP projections, and a rank-1 ``[MASK]`` embedding.
+    """A LoRA config for gated LoRA: attention + MLP projections, and a rank-1 ``[MASK]`` embedding.
 
-    ``lm_head`` is never a target: it reads clean hidden states and must stay the base model's.
+    ``lm_head`` is never a target: it reads clean hidden states and must stay the base model's. The config
+    is a ``GatedLoraConfig``: plain LoRA in memory, saved with the gated marker.
     """
-    from peft import LoraConfig
+    from ..adapter_format import GatedLoraConfig
 
     if isinstance(target_modules, str):
         raise ValueError(
@@ -169,7 +176,7 @@ def gated_lora_config(rank: int = 16, alpha: int | None = None, dropout: float =
     targets = list(target_modules or DEFAULT_TARGETS)
     if EMBEDDING_TARGET not in targets:
         targets.append(EMBEDDING_TARGET)
-    return LoraConfig(
+    return GatedLoraConfig(
         r=rank,
         lora_alpha=alpha if alpha is not None else 2 * rank,
         lora_dropout=dropout,
@@ -186,12 +193,14 @@ def get_gated_lora_model(tidar_model: nn.Module, lora_config=None, adapter_name:
     """Wrap a ``TidarForCausalLM`` with gated LoRA adapters for lossless draft training.
 
     Only the diffusion loss trains: ``config.ar_loss_weight`` is set to 0, because the clean half's AR
-    loss has no gradient with respect to mask-only adapters (it would only shrink the step size).
+    loss has no gradient with respect to mask-only adapters (it would only shrink the step size). A plain
+    ``LoraConfig`` is used as a (copied) ``GatedLoraConfig``, so that every save of the model is marked gated.
     """
     from peft import get_peft_model
 
     config = lora_config if lora_config is not None else gated_lora_config()
     check_gated_lora_config(config)
+    config = as_gated_config(config)
     tidar_model.require_mask_token_id()
     tidar_model.config.ar_loss_weight = 0.0
     with _quiet_peft():
@@ -236,16 +245,12 @@ def check_gated_lora_config(config, source: str = "") -> None:
 
 
 def saved_lora_config(folder: str | os.PathLike):
-    """The ``LoraConfig`` in an adapter folder's ``adapter_config.json``, read without loading any weights."""
-    from peft import LoraConfig
+    """The LoRA config in an adapter folder's ``adapter_config.json``, read without loading any weights.
 
-    path = Path(folder) / "adapter_config.json"
-    if not path.exists():
-        raise ValueError(f"{folder} holds no adapter_config.json: it is not a saved adapter.")
-    peft_type = json.loads(path.read_text()).get("peft_type")
-    if peft_type != "LORA":
-        raise ValueError(f"gated LoRA ({folder}) needs a LoRA adapter, got peft_type={peft_type!r}.")
-    return LoraConfig.from_pretrained(str(folder))
+    Reads the gated marker (``TIDAR_GATED_LORA``) and the plain ``LORA`` of older folders alike; returns a
+    ``GatedLoraConfig`` (pass it as ``config=`` to ``PeftModel.from_pretrained``, which can't read the marker).
+    """
+    return read_lora_config(folder)
 
 
 def architecture_of(tidar_model: nn.Module) -> dict:
@@ -255,7 +260,10 @@ def architecture_of(tidar_model: nn.Module) -> dict:
 
 
 def save_gate_info(peft_model: nn.Module, folder: str | os.PathLike) -> None:
-    """Write ``tidar_gate.json`` (mask token, block size, base architecture) into an adapter folder."""
+    """Write ``tidar_gate.json`` (mask token, block size, base architecture) into an adapter folder.
+
+    An ``adapter_config.json`` already there gets the gated marker, so other loaders refuse the folder.
+    """
     tidar = tidar_model_of(peft_model)
     info = {
         "gated": True,
@@ -265,10 +273,15 @@ def save_gate_info(peft_model: nn.Module, folder: str | os.PathLike) -> None:
     }
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / GATE_FILE).write_text(json.dumps(info, indent=2, default=str) + "\n")
+    if (Path(folder) / "adapter_config.json").exists():
+        mark_gated(folder)  # also when the model's config is a plain LoraConfig (wrapped outside this module)
 
 
 def save_gated_lora(peft_model: nn.Module, folder: str | os.PathLike, **save_kwargs) -> None:
-    """``peft_model.save_pretrained(folder)`` plus the gate file that :func:`load_gated_lora` checks."""
+    """``peft_model.save_pretrained(folder)`` plus the gate file that :func:`load_gated_lora` checks.
+
+    ``adapter_config.json`` is saved with ``"peft_type": "TIDAR_GATED_LORA"``, which only hf_tidar's loaders read.
+    """
     # Without this PEFT also saves the whole (vocab x hidden) base embedding, because embed_tokens is a
     # target; the base rows are the checkpoint's own and the [MASK] row is rebuilt by tidar_base_for_adapter.
     save_kwargs.setdefault("save_embedding_layers", False)
@@ -315,12 +328,13 @@ def load_gated_lora(tidar_model: nn.Module, folder: str | os.PathLike, is_traina
     from peft import PeftModel
 
     info = read_gate_info(folder)
-    check_gated_lora_config(saved_lora_config(folder), str(folder))
+    config = saved_lora_config(folder)
+    check_gated_lora_config(config, str(folder))
     check_base_matches(tidar_model, info, folder)
     tidar_model.config.block_size = int(info["block_size"])
     tidar_model.config.ar_loss_weight = 0.0
-    with _quiet_peft():
-        peft_model = PeftModel.from_pretrained(tidar_model, str(folder), is_trainable=is_trainable)
+    with _quiet_peft():  # config=: PEFT would refuse the folder's marked config itself
+        peft_model = PeftModel.from_pretrained(tidar_model, str(folder), is_trainable=is_trainable, config=config)
     install_mask_gate(peft_model)
     return peft_model
 
@@ -380,7 +394,8 @@ def export_gated_adapter(checkpoint: str | os.PathLike, base_tidar: nn.Module, o
 
     Trainer checkpoints hold the whole embedding (PEFT saves embedding layers that are LoRA targets)
     and no gate file; the export keeps only the adapter weights, stored as ``dtype`` (fp16 halves the
-    size; they are cast back to the model's dtype on load), plus ``tidar_gate.json``.
+    size; they are cast back to the model's dtype on load), plus ``tidar_gate.json``. Checkpoints are
+    marked gated like adapters (older ones, plain ``LORA``, export the same way).
 
     Args:
         checkpoint: a ``checkpoint-N`` folder of ``hf-tidar train --method lora``.
@@ -390,9 +405,10 @@ def export_gated_adapter(checkpoint: str | os.PathLike, base_tidar: nn.Module, o
     from peft import PeftModel
     from safetensors.torch import load_file, save_file
 
-    check_gated_lora_config(saved_lora_config(checkpoint), str(checkpoint))
+    config = saved_lora_config(checkpoint)
+    check_gated_lora_config(config, str(checkpoint))
     with _quiet_peft():
-        peft_model = PeftModel.from_pretrained(base_tidar, str(checkpoint))
+        peft_model = PeftModel.from_pretrained(base_tidar, str(checkpoint), config=config)
     install_mask_gate(peft_model)
     save_gated_lora(peft_model, output)
     weights = Path(output) / "adapter_model.safetensors"
