@@ -27,9 +27,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .._warning_stacklevel import user_stacklevel
 from ..cache import DraftCache
-from ..masks import DecodeMaskBuffer as DecodeMaskState
-from ..masks import StepMaskTemplate as DecodeStepMasks
-from ..masks import tidar_prefill_layout
+from ..masks import DecodeMaskBuffer, StepMaskTemplate, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
 from .auto_layout import AutoLayout
 from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES, NgramIndex, SourceChooser
@@ -103,7 +101,7 @@ class TidarDecoder:
         self.mixed = verifier_weight != 1.0  # then each group's first slot is projected too (the diffusion term)
         self.auto = layout if isinstance(layout, AutoLayout) else None
         self.layout = self.auto.choose() if self.auto else layout
-        self.step_masks: dict[DraftLayout, DecodeStepMasks] = {}
+        self.step_masks: dict[DraftLayout, StepMaskTemplate] = {}
         self.projected_index: dict[DraftLayout, torch.Tensor] = {}
         self.keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
@@ -281,7 +279,7 @@ class TidarDecoder:
             all_drafts.append(self.next_block(row, first, slots[index]))
         return all_drafts
 
-    def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskState) -> list[Drafts | None]:
+    def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskBuffer) -> list[Drafts | None]:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
         layout = self.pass_layout(drafts)
         drafts = [self._fit(d, layout.draft_len) for d in drafts]
@@ -323,11 +321,11 @@ class TidarDecoder:
             self.projected_index[layout] = torch.tensor(rows, device=self.device)
         return self.projected_index[layout]
 
-    def _forward(self, drafts: list[Drafts], state: DecodeMaskState, layout: DraftLayout) -> torch.Tensor:
+    def _forward(self, drafts: list[Drafts], state: DecodeMaskBuffer, layout: DraftLayout) -> torch.Tensor:
         """The pass itself: drafts then the layout's mask groups, over the cache. Returns hidden states."""
         k = layout.draft_len
         if layout not in self.step_masks:  # rendered once per layout
-            self.step_masks[layout] = DecodeStepMasks(k, layout.groups, self.device)
+            self.step_masks[layout] = StepMaskTemplate(k, layout.groups, self.device)
         masks = self.step_masks[layout]
         draft_tokens = torch.tensor(
             [d.tokens + [d.tokens[-1]] * (k - len(d.tokens)) for d in drafts], device=self.device
@@ -394,7 +392,7 @@ class TidarDecoder:
         active = [i for i, row in enumerate(self.rows) if not row.finished]
         if not active:
             return self._end_stream()
-        state = DecodeMaskState(self.attention_mask.bool())
+        state = DecodeMaskBuffer(self.attention_mask.bool())
         self._select(state, active, list(range(len(self.rows))))
         drafts = [drafts[i] for i in active]
         while active:
@@ -422,7 +420,7 @@ class TidarDecoder:
             return drafts
         return Drafts(drafts.tokens[:k], drafts.scores[:k] if drafts.scores is not None else None, drafts.source)
 
-    def _select(self, state: DecodeMaskState, keep: list[int], current: list[int]) -> None:
+    def _select(self, state: DecodeMaskBuffer, keep: list[int], current: list[int]) -> None:
         """Drop finished rows from the batch: they stop costing work."""
         if keep == current:
             return
@@ -430,7 +428,7 @@ class TidarDecoder:
         self.cache.batch_select_indices(index)
         state.select_rows(index)
 
-    def _maybe_compact(self, state: DecodeMaskState, active: list[int]) -> None:
+    def _maybe_compact(self, state: DecodeMaskBuffer, active: list[int]) -> None:
         """Gather each row's valid cached tokens to the right once holes waste too much memory."""
         # Real cached tokens per row, from host counts: every token but the last emitted one is cached.
         longest = max(self.rows[row_id].length - self.rows[row_id].padding - 1 for row_id in active)
