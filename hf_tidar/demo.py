@@ -121,11 +121,12 @@ def run_demo(
             functools.partial(model.generate, input_ids, strategy="tidar", streamer=streamer,
                               return_dict_in_generate=True, **settings_tidar, **settings)
         )
-        ar, ar_s = _timed(functools.partial(ar_model.generate, input_ids, **settings))
         same_path_tps = None
-        if same_path_ar is not None:
-            fast, fast_s = _timed(functools.partial(same_path_ar.generate, input_ids, **settings))
-            same_path_tps = (fast.shape[1] - input_ids.shape[1]) / fast_s
+        with console.status("Timing transformers' AR generate on the same prompt, for the table..."):
+            ar, ar_s = _timed(functools.partial(ar_model.generate, input_ids, **settings))
+            if same_path_ar is not None:
+                fast, fast_s = _timed(functools.partial(same_path_ar.generate, input_ids, **settings))
+                same_path_tps = (fast.shape[1] - input_ids.shape[1]) / fast_s
         new_tokens = tidar.sequences.shape[1] - input_ids.shape[1]
         rows.append(
             DemoRow(
