@@ -207,3 +207,13 @@ def test_every_option_s_help_shows_its_default(command):
         assert action.help and "default" in formatter._expand_help(action), (command, action.option_strings)
     if command == "generate":
         assert "(default: 64)" in " ".join(sub.format_help().split())
+
+
+def test_train_without_arguments_asks_for_a_model_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert "--model" in error and "--output" in error
+    assert list(tmp_path.iterdir()) == []  # no random tiny model trained into ./outputs
