@@ -217,3 +217,10 @@ def test_train_without_arguments_asks_for_a_model_and_writes_nothing(tmp_path, m
     error = capsys.readouterr().err
     assert "--model" in error and "--output" in error
     assert list(tmp_path.iterdir()) == []  # no random tiny model trained into ./outputs
+
+
+def test_a_strategy_typo_fails_before_any_model_is_loaded(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:  # the folder does not even exist: argparse refuses first
+        main(["generate", str(tmp_path / "no-model"), "--prompt", "hi", "--strategy", "tidr"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'tidr'" in capsys.readouterr().err
