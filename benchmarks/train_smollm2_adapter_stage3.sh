@@ -24,6 +24,9 @@
 # stopped after 3 of its 28 shards (384 rows) so that training had the CPU; rerunning `distill` resumes
 # it at shard 4. Training planned 64 steps (cosine) and was re-planned to 32 at its checkpoint-10
 # (STEPS=32, resumed from checkpoint-10; the schedule continues from step 10 on the shorter plan).
+# A second session resumed `distill` (15 of 28 shards, 1,920 rows, when it was paused) and ran `train`
+# again into a new OUT with STEPS=100 and SHIPPED set to that first result: 100 steps of 32-37 s each
+# (1 thread), exported from checkpoint-100 as the candidate adapter (its README has the bench).
 set -euo pipefail
 
 TIDAR=${TIDAR:-hf-tidar}
