@@ -65,6 +65,20 @@ def _grid(max_query: int) -> list[int]:
 
 
 @torch.no_grad()
+def _step_inputs(model, q: int, cache_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position ids and an all-visible 4D mask for ``q`` query tokens after ``cache_len`` cached ones.
+
+    A real step passes a rendered 4D mask, which takes a different (slower) attention path than plain
+    causal attention: the probes time it with one.
+    """
+    device = model.device
+    positions = torch.arange(cache_len, cache_len + q, device=device)[None]
+    mask = torch.ones(1, 1, q, cache_len + q, dtype=torch.bool, device=device)
+    if model.config.get_text_config()._attn_implementation == "eager":
+        mask = torch.zeros(mask.shape, dtype=model.dtype, device=device)
+    return positions, mask
+
+
 def measure_forward_cost(
     model, query_lengths: list[int], cache_len: int = PROFILE_CACHE_LEN, repeats: int = PROFILE_REPEATS
 ) -> dict[int, float]:
@@ -83,12 +97,7 @@ def measure_forward_cost(
             cache = DraftCache(config=model.config.get_text_config())
             model.model(input_ids=prompt, cache=cache, use_cache=True)
             new = torch.randint(0, vocab, (1, q), device=device)
-            positions = torch.arange(cache_len, cache_len + q, device=device)[None]
-            # A real step passes a rendered 4D mask, which takes a different (slower) attention path than
-            # plain causal attention: time it with one.
-            mask = torch.ones(1, 1, q, cache_len + q, dtype=torch.bool, device=device)
-            if model.config.get_text_config()._attn_implementation == "eager":
-                mask = torch.zeros(mask.shape, dtype=model.dtype, device=device)
+            positions, mask = _step_inputs(model, q, cache_len)
             sync_device(device)
             start = time.perf_counter()
             hidden = model.model(input_ids=new, cache=cache, use_cache=True, position_ids=positions,
@@ -141,10 +150,7 @@ def measure_mask_overhead(model, repeats: int = PROFILE_REPEATS) -> float:
     clean = torch.randint(0, vocab, (1, q), generator=generator).to(device)
     masked = clean.clone()
     masked[:, q // 2 :] = model.require_mask_token_id()
-    positions = torch.arange(PROFILE_CACHE_LEN, PROFILE_CACHE_LEN + q, device=device)[None]
-    mask = torch.ones(1, 1, q, PROFILE_CACHE_LEN + q, dtype=torch.bool, device=device)
-    if model.config.get_text_config()._attn_implementation == "eager":
-        mask = torch.zeros(mask.shape, dtype=model.dtype, device=device)
+    positions, mask = _step_inputs(model, q, PROFILE_CACHE_LEN)
     deltas = []
     for _ in range(repeats + 1):  # the first pair warms up
         timings = []
@@ -169,26 +175,26 @@ def _adapter_tag(model) -> str:
     return f"peft{lora}" if lora else "none"
 
 
+def _cached_seconds(path: Path, field: str, measure) -> float:
+    """``path``'s ``field`` when the file exists, else ``measure()``, saved there as ``{field: seconds}``."""
+    if path.exists():
+        return float(json.loads(path.read_text())[field])
+    seconds = measure()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({field: seconds}))
+    return seconds
+
+
 def load_or_measure_mask_overhead(model) -> float:
     """:func:`measure_mask_overhead`, once per model/device/dtype/threads and adapter form, cached on disk."""
     path = cache_root() / "profiles" / f"{_profile_key(model)}.mask-{_adapter_tag(model)}.json"
-    if path.exists():
-        return float(json.loads(path.read_text())["seconds"])
-    seconds = measure_mask_overhead(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"seconds": seconds}))
-    return seconds
+    return _cached_seconds(path, "seconds", lambda: measure_mask_overhead(model))
 
 
 def load_or_measure_lm_head_cost(model) -> float:
     """:func:`measure_lm_head_cost`, measured once per model/device/dtype/threads and cached on disk."""
     path = cache_root() / "profiles" / f"{_profile_key(model)}.lm_head.json"
-    if path.exists():
-        return float(json.loads(path.read_text())["seconds_per_row"])
-    cost = measure_lm_head_cost(model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"seconds_per_row": cost}))
-    return cost
+    return _cached_seconds(path, "seconds_per_row", lambda: measure_lm_head_cost(model))
 
 
 def sync_device(device: torch.device) -> None:

@@ -299,8 +299,7 @@ class TidarDecoder:
         Position-free processors ignore the prefix, so the AR rows (verification) and the slot rows (the
         next drafts, ``[MASK]`` excluded as :meth:`slot_logits` does) share one call per row and one argmax.
         """
-        logits = logits.clone()
-        logits[..., self.mask_id] = float("-inf")
+        logits = self.slot_logits(logits)  # [MASK] excluded on the AR rows too: the processors suppress it there
         scores = torch.stack([self.scorer.many(self.rows[row_id].sequence, logits[index])
                               for index, row_id in enumerate(active)])
         tokens = scores.argmax(-1).tolist()  # the pass's one device-to-host read
