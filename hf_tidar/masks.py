@@ -32,7 +32,7 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 
 @dataclass(frozen=True)
-class TidarLayout:
+class AttentionLayout:
     """Per-token attributes of one attention layout, for a batch of rows.
 
     All tensors have shape ``[batch, kv_len]`` and describe every key token: the cached prefix
@@ -73,7 +73,7 @@ class TidarLayout:
         return self.group[:, self.kv_len - self.query_len :] != CLEAN
 
 
-def tidar_mask_mod(layout: TidarLayout) -> MaskMod:
+def tidar_mask_mod(layout: AttentionLayout) -> MaskMod:
     """The TiDAR visibility predicate, in flex-attention ``mask_mod`` form.
 
     Returns ``f(batch_idx, head_idx, q_idx, kv_idx) -> bool`` where ``q_idx`` counts query tokens
@@ -100,7 +100,7 @@ def tidar_mask_mod(layout: TidarLayout) -> MaskMod:
 # --------------------------------------------------------------------------------------------
 
 
-def to_bool_mask(layout: TidarLayout) -> torch.Tensor:
+def to_bool_mask(layout: AttentionLayout) -> torch.Tensor:
     """Dense boolean mask ``[batch, 1, query_len, kv_len]`` (True = may attend), for sdpa."""
     device = layout.position_ids.device
     b = torch.arange(layout.batch_size, device=device)[:, None, None, None]
@@ -109,7 +109,7 @@ def to_bool_mask(layout: TidarLayout) -> torch.Tensor:
     return tidar_mask_mod(layout)(b, None, q, kv)
 
 
-def to_additive_mask(layout: TidarLayout, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def to_additive_mask(layout: AttentionLayout, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Additive float mask (0 = attend, dtype minimum = blocked), for eager attention."""
     return _additive(to_bool_mask(layout), dtype)
 
@@ -118,7 +118,7 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-def to_block_mask(layout: TidarLayout, block_size: int = 128):
+def to_block_mask(layout: AttentionLayout, block_size: int = 128):
     """Render as a flex-attention ``BlockMask`` (no dense ``q x kv`` mask is kept)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -133,7 +133,7 @@ def to_block_mask(layout: TidarLayout, block_size: int = 128):
     )
 
 
-MaskRenderer = Callable[[TidarLayout, torch.dtype], object]
+MaskRenderer = Callable[[AttentionLayout, torch.dtype], object]
 """``(layout, dtype) -> mask`` in the format one attention implementation takes."""
 
 MASK_RENDERERS: dict[str, MaskRenderer] = {
@@ -142,7 +142,7 @@ MASK_RENDERERS: dict[str, MaskRenderer] = {
     "flex_attention": lambda layout, dtype: to_block_mask(layout),
 }
 """``attn_implementation`` -> its renderer. :mod:`hf_tidar.kernels` adds ``tidar_triton``: kernels sit above this
-module (their descriptors read :class:`TidarLayout`), so they register themselves instead of being imported."""
+module (their descriptors read :class:`AttentionLayout`), so they register themselves instead of being imported."""
 
 
 def register_mask_renderer(attn_implementation: str, renderer: MaskRenderer) -> None:
@@ -150,7 +150,7 @@ def register_mask_renderer(attn_implementation: str, renderer: MaskRenderer) -> 
     MASK_RENDERERS[attn_implementation] = renderer
 
 
-def render_mask(layout: TidarLayout, attn_implementation: str | None, dtype: torch.dtype) -> object:
+def render_mask(layout: AttentionLayout, attn_implementation: str | None, dtype: torch.dtype) -> object:
     """Render ``layout`` in the format the backbone's attention implementation expects.
 
     sdpa takes a bool mask, eager an additive float mask (a bool mask there would be silently
@@ -186,12 +186,12 @@ def _mask_group(positions: torch.Tensor, group: torch.Tensor, horizon: torch.Ten
     return positions, group, horizon, torch.ones_like(positions, dtype=torch.bool)
 
 
-def _concat(parts: Sequence[tuple[torch.Tensor, ...]], query_len: int) -> TidarLayout:
+def _concat(parts: Sequence[tuple[torch.Tensor, ...]], query_len: int) -> AttentionLayout:
     pos, group, horizon, valid = (torch.cat(field, dim=-1) for field in zip(*parts, strict=True))
-    return TidarLayout(pos, group, horizon, valid.bool(), query_len)
+    return AttentionLayout(pos, group, horizon, valid.bool(), query_len)
 
 
-def tidar_training_layout(attention_mask: torch.Tensor, block_size: int) -> TidarLayout:
+def tidar_training_layout(attention_mask: torch.Tensor, block_size: int) -> AttentionLayout:
     """Training layout over ``[x_0 .. x_{S-1} | M .. M]`` (2S tokens, all of them queries).
 
     Clean token ``i`` is token-causal. Mask token ``i`` (block ``b = pos // block_size``) has the same
@@ -205,7 +205,7 @@ def tidar_training_layout(attention_mask: torch.Tensor, block_size: int) -> Tida
     return _concat([_clean_tokens(valid, pos), masks], query_len=2 * pos.shape[-1])
 
 
-def tidar_prefill_layout(attention_mask: torch.Tensor, draft_len: int) -> TidarLayout:
+def tidar_prefill_layout(attention_mask: torch.Tensor, draft_len: int) -> AttentionLayout:
     """Prefill layout: the prompt (causal) plus one group of ``draft_len`` masks seeing the whole prompt.
 
     The masks sit at positions ``L .. L + draft_len - 1`` (``L`` = number of real prompt tokens) and
@@ -225,7 +225,7 @@ def tidar_prefill_layout(attention_mask: torch.Tensor, draft_len: int) -> TidarL
 
 def tidar_decode_layout(
     prefix_valid: torch.Tensor, draft_len: int, groups: Sequence[int] | None = None
-) -> TidarLayout:
+) -> AttentionLayout:
     """Decode-step layout: cached prefix, ``draft_len`` drafts, then one mask group per entry of ``groups``.
 
     With ``p`` real cached tokens, draft ``i`` sits at position ``p + i`` and is causal over the cache

@@ -24,7 +24,7 @@ from ._quiet import drop_log_records
 from .configuration import TidarConfig, check_backbone_type, is_gguf_quantization
 from .generation.mixin import StrategyGenerationMixin
 from .losses import SLOT_WEIGHTS, SOFT_LOSS_KEYS, TEACHER_IDS, TEACHER_LOGPROBS, soft_diffusion_loss
-from .masks import TidarLayout, positions_from_padding, render_mask, tidar_training_layout
+from .masks import AttentionLayout, positions_from_padding, render_mask, tidar_training_layout
 
 IGNORE_INDEX = -100
 MASK_TOKEN = "[MASK]"
@@ -316,7 +316,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
     def structured_hidden_states(
         self,
         input_ids: torch.Tensor,
-        layout: TidarLayout | None,
+        layout: AttentionLayout | None,
         cache=None,
         mask: object | None = None,
         position_ids: torch.Tensor | None = None,

@@ -13,7 +13,7 @@ from transformers.utils import logging as hf_logging
 
 from hf_tidar import CdlmForCausalLM, TidarForCausalLM
 from hf_tidar.checkpoints import SMOLLM2_NAME, smollm2_path
-from hf_tidar.generation import auto_layout
+from hf_tidar.generation import cost_profile
 from hf_tidar.training import byte_level_tokenizer
 from hf_tidar.training.gated_lora import (
     get_gated_lora_model,
@@ -124,9 +124,9 @@ def test_generating_past_the_position_limit_is_reported(strategy):
 def small_tidar(tmp_path, monkeypatch):
     """A tiny TiDAR model with a private profile cache, on a machine that reports a quiet load."""
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(auto_layout, "machine_load", lambda: {"loadavg": 0.2, "cpus": 2})
+    monkeypatch.setattr(cost_profile, "machine_load", lambda: {"loadavg": 0.2, "cpus": 2})
     # A tiny model's sub-millisecond timings are noisy on a busy machine; tests of noise set the limit back.
-    monkeypatch.setattr(auto_layout, "NOISY_SPREAD", float("inf"))
+    monkeypatch.setattr(cost_profile, "NOISY_SPREAD", float("inf"))
     return TidarForCausalLM.from_ar(tiny_ar_model("llama").float(), block_size=2)
 
 
@@ -135,25 +135,25 @@ def test_the_first_auto_layout_call_says_what_it_measures_and_where_it_is_cached
     small_tidar.generate(prompt, max_new_tokens=3, strategy="tidar", draft_layout="auto")
     err = capsys.readouterr().err
     notices = [line for line in err.splitlines() if line.startswith("[hf_tidar]")]
-    path = auto_layout.profile_path(small_tidar)
+    path = cost_profile.profile_path(small_tidar)
     assert len(notices) == 1 and "measuring this machine's forward cost" in notices[0]
     assert " s, once per model" in notices[0] and str(path) in notices[0] and "hf-tidar profile" in notices[0]
     assert "Profiling forward cost" not in err  # no progress bar when stderr is not a terminal
     profile = json.loads(path.read_text())
     assert profile["cpus"] == 2 and profile["loadavg"] == 0.2 and profile["remeasured"] is False
-    del small_tidar._tidar_auto_layout
+    del small_tidar._tidar_auto_plan
     small_tidar.generate(prompt, max_new_tokens=3, strategy="tidar", draft_layout="auto")
     assert "[hf_tidar]" not in capsys.readouterr().err  # cached: nothing measured, nothing said
 
 
 def test_profiling_shows_progress_on_a_terminal(small_tidar, capsys, monkeypatch):
-    monkeypatch.setattr(auto_layout, "_stderr_is_terminal", lambda: True)
-    auto_layout.load_or_measure_costs(small_tidar, 4)
+    monkeypatch.setattr(cost_profile, "_stderr_is_terminal", lambda: True)
+    cost_profile.load_or_measure_costs(small_tidar, 4)
     assert "Profiling forward cost" in capsys.readouterr().err
 
 
 def _cache_profile(model, **fields):
-    path = auto_layout.profile_path(model)
+    path = cost_profile.profile_path(model)
     path.parent.mkdir(parents=True)
     profile = {"seconds": {"1": 1.0, "2": 1.0, "4": 1.0, "6": 1.0}, "loadavg": 0.1, "cpus": 2, "spread": 0.0,
                "remeasured": False, **fields}
@@ -164,8 +164,8 @@ def _cache_profile(model, **fields):
 @pytest.mark.parametrize("skew", [{"loadavg": 40.0}, {"spread": 0.9}])
 def test_a_skewed_profile_is_measured_again_when_the_machine_is_quiet(small_tidar, monkeypatch, capsys, skew):
     path = _cache_profile(small_tidar, **skew)
-    monkeypatch.setattr(auto_layout, "NOISY_SPREAD", 0.3)
-    costs = auto_layout.load_or_measure_costs(small_tidar, 6)
+    monkeypatch.setattr(cost_profile, "NOISY_SPREAD", 0.3)
+    costs = cost_profile.load_or_measure_costs(small_tidar, 6)
     assert costs[1] != 1.0 and "measuring it again" in capsys.readouterr().err
     profile = json.loads(path.read_text())
     assert profile["loadavg"] == 0.2 and profile["remeasured"] is True
@@ -173,7 +173,7 @@ def test_a_skewed_profile_is_measured_again_when_the_machine_is_quiet(small_tida
 
 def test_a_skewed_profile_is_kept_with_a_warning_while_the_machine_is_busy(small_tidar, monkeypatch, capsys):
     _cache_profile(small_tidar, loadavg=40.0)
-    monkeypatch.setattr(auto_layout, "machine_load", lambda: {"loadavg": 30.0, "cpus": 2})
-    assert auto_layout.load_or_measure_costs(small_tidar, 6)[1] == 1.0
+    monkeypatch.setattr(cost_profile, "machine_load", lambda: {"loadavg": 30.0, "cpus": 2})
+    assert cost_profile.load_or_measure_costs(small_tidar, 6)[1] == 1.0
     err = capsys.readouterr().err
     assert "looks skewed (measured under a load average of 40.0 on 2 cores)" in err and "hf-tidar profile" in err

@@ -25,7 +25,7 @@ import hf_tidar.kernels  # noqa: E402, F401  (registers tidar_triton)
 from hf_tidar.kernels import TidarMaskCarrier, tidar_attention  # noqa: E402
 from hf_tidar.kernels import integration as kernel_integration  # noqa: E402
 from hf_tidar.masks import (  # noqa: E402
-    TidarLayout,
+    AttentionLayout,
     render_mask,
     tidar_decode_layout,
     tidar_prefill_layout,
@@ -46,7 +46,7 @@ def left_padded(rows: int, length: int, rng: random.Random) -> torch.Tensor:
     return mask
 
 
-def random_layout(kind: str, rng: random.Random) -> TidarLayout:
+def random_layout(kind: str, rng: random.Random) -> AttentionLayout:
     """A random layout of ``kind`` with 1-3 rows, random lengths and left padding."""
     rows = rng.randint(1, 3)
     k = rng.randint(2, 4)
@@ -61,7 +61,7 @@ def random_layout(kind: str, rng: random.Random) -> TidarLayout:
     return tidar_decode_layout(prefix, draft_len=k, groups=groups)
 
 
-def random_qkv(layout: TidarLayout, heads: int, ratio: int, head_dim: int, dtype: torch.dtype, seed: int):
+def random_qkv(layout: AttentionLayout, heads: int, ratio: int, head_dim: int, dtype: torch.dtype, seed: int):
     """Query/key/value as transformers hands them over: ``[b, h, len, d]`` views of ``[b, len, h, d]``."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -72,7 +72,7 @@ def random_qkv(layout: TidarLayout, heads: int, ratio: int, head_dim: int, dtype
     return make(layout.query_len, heads), make(layout.kv_len, heads // ratio), make(layout.kv_len, heads // ratio)
 
 
-def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: TidarLayout) -> torch.Tensor:
+def reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layout: AttentionLayout) -> torch.Tensor:
     """fp32 sdpa with the dense bool mask of the layout, K/V heads expanded; ``[b, q, h, d]``."""
     ratio = query.shape[1] // key.shape[1]
     key, value = (x.float().repeat_interleave(ratio, dim=1) for x in (key, value))
@@ -93,7 +93,7 @@ def test_kernel_matches_sdpa_fp32(kind: str, ratio: int):
         torch.testing.assert_close(out, reference(query, key, value, layout), atol=1e-5, rtol=1e-5)
 
 
-def check_fp32(layout: TidarLayout, heads: int = 2, ratio: int = 1, seed: int = 0, num_splits: int = 1) -> None:
+def check_fp32(layout: AttentionLayout, heads: int = 2, ratio: int = 1, seed: int = 0, num_splits: int = 1) -> None:
     """Kernel vs reference for one layout, at 1e-5."""
     query, key, value = random_qkv(layout, heads=heads, ratio=ratio, head_dim=16, dtype=torch.float32, seed=seed)
     out = tidar_attention(query, key, value, layout, block_m=TILE, block_n=TILE, num_splits=num_splits)
@@ -123,7 +123,7 @@ def test_long_padding_and_long_prefix():
     pos = torch.arange(32).expand(2, 32)
     valid = torch.ones(2, 32, dtype=torch.bool)
     valid[0, 20] = False
-    check_fp32(TidarLayout(pos, torch.full_like(pos, -1), pos + 1, valid, query_len=16))
+    check_fp32(AttentionLayout(pos, torch.full_like(pos, -1), pos + 1, valid, query_len=16))
 
 
 def test_mask_groups_spanning_whole_tiles():
@@ -136,11 +136,11 @@ def test_mask_groups_spanning_whole_tiles():
     pos = torch.arange(32)[None]
     group = torch.where(pos < 10, -1, 5)
     horizon = torch.where(pos < 10, pos + 1, 10)
-    check_fp32(TidarLayout(pos, group, horizon, torch.ones_like(pos, dtype=torch.bool), query_len=24))
+    check_fp32(AttentionLayout(pos, group, horizon, torch.ones_like(pos, dtype=torch.bool), query_len=24))
 
 
-def generic_layout(rng: random.Random) -> TidarLayout:
-    """A TidarLayout no builder makes: block-causal clean tokens (as CDLM will use), mask groups with
+def generic_layout(rng: random.Random) -> AttentionLayout:
+    """A AttentionLayout no builder makes: block-causal clean tokens (as CDLM will use), mask groups with
     arbitrary ids and horizons, and padding anywhere (queries included). The predicate is defined for
     any such layout, so the kernel must match it."""
     rows, n_clean, block = 2, rng.randint(1, 40), rng.choice([1, 3, 4, 16])
@@ -161,7 +161,7 @@ def generic_layout(rng: random.Random) -> TidarLayout:
 
     padding_rate = rng.choice([0.0, 0.03, 0.3])
     valid = torch.rand(rows, kv, generator=torch.Generator().manual_seed(rng.randint(0, 10**6))) >= padding_rate
-    return TidarLayout(batch(pos), batch(group), batch(horizon), valid, query_len=rng.randint(1, kv))
+    return AttentionLayout(batch(pos), batch(group), batch(horizon), valid, query_len=rng.randint(1, kv))
 
 
 def test_generic_layouts():

@@ -11,8 +11,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 import hf_tidar.generation.acceptance as acceptance
 import hf_tidar.generation.tidar as tidar_loop
 from hf_tidar import TidarForCausalLM
-from hf_tidar.generation.auto_layout import AutoLayout, expected_tokens_per_pass
-from hf_tidar.generation.layout import DraftLayout
+from hf_tidar.generation.auto_plan import AutoDraftPlan, expected_tokens_per_pass
+from hf_tidar.generation.draft_plan import DraftPlan
 from hf_tidar.training import byte_level_tokenizer
 
 
@@ -247,7 +247,7 @@ def test_auto_layout_is_exact_and_uses_statistics(counting_model, tmp_path, monk
     out = model.generate(prompt, max_new_tokens=40, eos_token_id=None, strategy="tidar", draft_layout="auto",
                          return_dict_in_generate=True)
     assert torch.equal(out.sequences, expected)
-    chooser = model._tidar_auto_layout
+    chooser = model._tidar_auto_plan
     assert list(tmp_path.glob("profiles/*.json"))  # the cost curve is cached on disk
     assert sum(chooser.stats.trials) > 0 and chooser.stats.alpha(1) > 0.7  # counting drafts are mostly right
 
@@ -255,7 +255,7 @@ def test_auto_layout_is_exact_and_uses_statistics(counting_model, tmp_path, monk
 def test_auto_layout_prefers_long_drafts_only_when_they_are_accepted():
     flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}  # free token slots (a GPU)
     steep = {q: float(q) for q in (1, 2, 4, 8, 16, 32, 64, 128)}  # every slot costs (a tiny CPU)
-    good, bad = AutoLayout(flat, 8), AutoLayout(steep, 8)
+    good, bad = AutoDraftPlan(flat, 8), AutoDraftPlan(steep, 8)
     for chooser, emitted in ((good, 8), (bad, 1)):
         for _ in range(200):
             chooser.observe(8, emitted)
@@ -264,31 +264,31 @@ def test_auto_layout_prefers_long_drafts_only_when_they_are_accepted():
 
 def test_auto_layout_charges_the_lm_head_for_every_projected_row():
     flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}
-    chooser = AutoLayout(flat, 8, lm_head_row_cost=0.5)
-    assert chooser.step_cost(DraftLayout(1, (1,))) == 1.0  # 1 row, already in the profiled forward
-    assert chooser.step_cost(DraftLayout(8, (1,))) == 1.0 + (15 - 4) * 0.5
-    assert chooser.step_cost(DraftLayout(4, (1, 2, 3, 4))) == 1.0 + (16 - 4) * 0.5  # every group's slots
+    chooser = AutoDraftPlan(flat, 8, lm_head_row_cost=0.5)
+    assert chooser.step_cost(DraftPlan(1, (1,))) == 1.0  # 1 row, already in the profiled forward
+    assert chooser.step_cost(DraftPlan(8, (1,))) == 1.0 + (15 - 4) * 0.5
+    assert chooser.step_cost(DraftPlan(4, (1, 2, 3, 4))) == 1.0 + (16 - 4) * 0.5  # every group's slots
     for _ in range(200):
         chooser.observe(8, 3)  # two drafts accepted, the third rejected
-    free_head = AutoLayout(flat, 8)
+    free_head = AutoDraftPlan(flat, 8)
     free_head.stats = chooser.stats
     assert chooser.choose().draft_len < free_head.choose().draft_len
 
 
 def test_a_pass_projects_drafts_and_every_groups_slots_after_its_first():
-    layout = DraftLayout.build(3, [1, 3], block_size=4)  # query: d0 d1 d2 | group 1: 3 4 5 | group 3: 6 7 8
+    layout = DraftPlan.build(3, [1, 3], block_size=4)  # query: d0 d1 d2 | group 1: 3 4 5 | group 3: 6 7 8
     assert layout.projected_rows == (0, 1, 2, 4, 5, 7, 8)
     assert [layout.projected_rows[layout.projected_slot_start(g)] for g in (1, 3)] == [4, 7]
-    assert DraftLayout.build(1, None, block_size=4).projected_rows == (0,)
+    assert DraftPlan.build(1, None, block_size=4).projected_rows == (0,)
 
 
 def test_expected_tokens_per_pass_matches_simple_cases():
     always = [1.0] * 9
-    assert expected_tokens_per_pass(DraftLayout(4, (1, 2, 3, 4)), always) == pytest.approx(4.0)
+    assert expected_tokens_per_pass(DraftPlan(4, (1, 2, 3, 4)), always) == pytest.approx(4.0)
     never = [1.0] + [0.0] * 8
-    assert expected_tokens_per_pass(DraftLayout(4, (1,)), never) == pytest.approx(1.0)
+    assert expected_tokens_per_pass(DraftPlan(4, (1,)), never) == pytest.approx(1.0)
     half = [1.0] + [0.5] * 8
-    assert expected_tokens_per_pass(DraftLayout(2, (1, 2)), half) == pytest.approx(1.5)
+    assert expected_tokens_per_pass(DraftPlan(2, (1, 2)), half) == pytest.approx(1.5)
 
 
 # -- generate() conventions ------------------------------------------------------------------------
@@ -412,22 +412,22 @@ def test_sliding_window_backbones_are_refused():
 
 
 def test_auto_layout_charges_the_mask_rows_adapter_work_only_to_passes_with_groups():
-    from hf_tidar.generation.layout import verification_layout
+    from hf_tidar.generation.draft_plan import verification_plan
 
     flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}
-    chooser = AutoLayout(flat, 4, mask_overhead=0.25)
-    assert chooser.step_cost(DraftLayout(2, (1,))) == 1.25
-    assert chooser.step_cost(verification_layout(4)) == 1.0  # lookup drafts only: no [MASK] row
+    chooser = AutoDraftPlan(flat, 4, mask_overhead=0.25)
+    assert chooser.step_cost(DraftPlan(2, (1,))) == 1.25
+    assert chooser.step_cost(verification_plan(4)) == 1.0  # lookup drafts only: no [MASK] row
 
 
 def test_the_mask_overhead_is_cached_per_adapter_form(counting_model, tmp_path, monkeypatch):
-    from hf_tidar.generation import auto_layout
+    from hf_tidar.generation import cost_profile
 
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
     model = _copy(counting_model)
-    assert auto_layout.measure_mask_overhead(model, repeats=1) >= 0.0
-    auto_layout.load_or_measure_mask_overhead(model)
+    assert cost_profile.measure_mask_overhead(model, repeats=1) >= 0.0
+    cost_profile.load_or_measure_mask_overhead(model)
     assert [p.name.split(".mask-")[1] for p in tmp_path.glob("profiles/*.mask-*.json")] == ["none.json"]
-    monkeypatch.setattr(auto_layout, "_adapter_tag", lambda model: "lean")
-    auto_layout.load_or_measure_mask_overhead(model)
+    monkeypatch.setattr(cost_profile, "adapter_tag", lambda model: "lean")
+    cost_profile.load_or_measure_mask_overhead(model)
     assert len(list(tmp_path.glob("profiles/*.mask-*.json"))) == 2

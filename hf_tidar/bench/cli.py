@@ -8,7 +8,7 @@ import shlex
 from pathlib import Path
 
 from ..folders import add_overwrite_flag, check_output_folder
-from ..generation.auto_layout import PROFILE_REPEATS
+from ..generation.cost_profile import PROFILE_REPEATS
 from ..generation.drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES
 from .config import DTYPES, BenchConfig
 from .models import BUILTIN_MODELS
@@ -186,7 +186,7 @@ def run_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def run_profile_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """``hf-tidar profile``: the forward cost curve, printed and (with ``--output``) plotted."""
-    from ..generation.auto_layout import PROFILE_CACHE_LEN, _grid
+    from ..generation.cost_profile import PROFILE_CACHE_LEN, _grid
     from .models import load_models
     from .profile import run_profile
     from .report import plot_cost_curve, print_profile, profile_markdown

@@ -12,15 +12,15 @@ def run_profile(model, query_lengths: Sequence[int], cache_len: int, repeats: in
 
     With ``save``, the curve is stored where ``draft_layout="auto"`` reads it, so later runs skip profiling.
     """
-    from ..generation import auto_layout
+    from ..generation import cost_profile
 
     if not query_lengths or min(query_lengths) < 1:
         raise ValueError(f"query lengths must be positive integers, got {list(query_lengths)}.")
-    load = auto_layout.machine_load()
-    costs = auto_layout.measure_forward_cost(model, sorted(set(query_lengths)), cache_len, repeats)
+    load = cost_profile.machine_load()
+    costs = cost_profile.measure_forward_cost(model, sorted(set(query_lengths)), cache_len, repeats)
     saved_to = None
-    if save and cache_len == auto_layout.PROFILE_CACHE_LEN:
-        path = auto_layout.save_costs(model, costs, load)
+    if save and cache_len == cost_profile.PROFILE_CACHE_LEN:
+        path = cost_profile.save_costs(model, costs, load)
         saved_to = f"profiles/{path.name} in the hf_tidar cache"  # not the absolute path: results get published
     base = costs[min(costs)]
     return {

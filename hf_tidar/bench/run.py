@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..generation.auto_layout import sync_device
+from ..generation.cost_profile import sync_device
 from .batching import batches, eos_token_ids, generated_tokens, left_pad
 from .config import BenchConfig
 from .measure import ForwardCounter, PeakMemory, machine_description
@@ -244,5 +244,5 @@ def _results_json(config: BenchConfig, models: Models, machine: dict, results: l
 
 def _cost_curve(model) -> dict[str, float] | None:
     """The measured forward cost vs query length that ``draft_layout="auto"`` used (if it was profiled)."""
-    chooser = getattr(model, "_tidar_auto_layout", None)
+    chooser = getattr(model, "_tidar_auto_plan", None)
     return {str(q): t for q, t in sorted(chooser.costs.items())} if chooser is not None else None

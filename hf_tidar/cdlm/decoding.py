@@ -189,7 +189,7 @@ def run_dlm(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_cr
     """Full-recomputation decoding of ``decoder``'s canvas (every pass sees the whole sequence)."""
     prompt_cols = input_ids.shape[1]
     valid = torch.cat([attention_mask.bool(), torch.ones_like(decoder.tokens, dtype=torch.bool)], dim=1)
-    layout = model.layout(valid, attention_mask.sum(-1, keepdim=True))
+    layout = model.attention_layout(valid, attention_mask.sum(-1, keepdim=True))
     shift = int(model.config.shift_logits)
     for start, end in decoder.blocks():
         while decoder.pending(start, end):
@@ -261,7 +261,7 @@ def cdlm_decode(
             block = decoder.tokens[:, start:end]
             query = torch.cat([pending, block], dim=1) if first else block
             keys = torch.cat([committed, pending_valid, block_valid] if first else [committed, block_valid], dim=1)
-            hidden = model.structured_hidden_states(query, model.layout(keys, prompt_len, query.shape[1]), cache)
+            hidden = model.structured_hidden_states(query, model.attention_layout(keys, prompt_len, query.shape[1]), cache)
             if first:
                 # The hidden state before the block (Dream-style models predict from it) is final too.
                 carry = hidden[:, pending.shape[1] - 1]

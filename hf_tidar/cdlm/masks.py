@@ -1,7 +1,7 @@
 """CDLM attention layouts, expressed in TiDAR's single visibility predicate.
 
 A diffusion LM has no mask *groups*: every token, ``[MASK]`` inputs included, is a "clean" token of
-:class:`hf_tidar.masks.TidarLayout`, and only its **horizon** (it sees tokens whose position is below
+:class:`hf_tidar.masks.AttentionLayout`, and only its **horizon** (it sees tokens whose position is below
 it) encodes the attention mode:
 
 * **bidirectional** (the teacher): every horizon is effectively infinite, so every real token sees every
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..masks import CLEAN, TidarLayout, positions_from_padding
+from ..masks import CLEAN, AttentionLayout, positions_from_padding
 
 BIDIRECTIONAL_HORIZON = 2**29
 """A horizon no position reaches (and below the Triton kernel's 2**30 limit)."""
@@ -30,7 +30,7 @@ def dlm_layout(
     prompt_len: torch.Tensor | None = None,
     block_size: int | None = None,
     query_len: int | None = None,
-) -> TidarLayout:
+) -> AttentionLayout:
     """The layout of a diffusion-LM forward over key tokens ``valid`` (``[batch, kv_len]``, left padding).
 
     Args:
@@ -51,16 +51,16 @@ def dlm_layout(
         block_end = n + ((pos - n).clamp_min(0) // block_size + 1) * block_size
         horizon = torch.where(pos < n, n.expand_as(pos), block_end)
     query_len = pos.shape[-1] if query_len is None else query_len
-    return TidarLayout(pos, torch.full_like(pos, CLEAN), horizon, valid, query_len)
+    return AttentionLayout(pos, torch.full_like(pos, CLEAN), horizon, valid, query_len)
 
 
-def bidirectional_layout(valid: torch.Tensor, query_len: int | None = None) -> TidarLayout:
+def bidirectional_layout(valid: torch.Tensor, query_len: int | None = None) -> AttentionLayout:
     """Every real token sees every real token (Dream / LLaDA teachers)."""
     return dlm_layout(valid, None, None, query_len)
 
 
 def block_causal_layout(
     valid: torch.Tensor, prompt_len: torch.Tensor | None, block_size: int, query_len: int | None = None
-) -> TidarLayout:
+) -> AttentionLayout:
     """The CDLM student's mask: the prompt is one block, then blocks of ``block_size`` generated tokens."""
     return dlm_layout(valid, prompt_len, block_size, query_len)

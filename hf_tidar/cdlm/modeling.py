@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
 from ..configuration import check_backbone_type
-from ..masks import TidarLayout
+from ..masks import AttentionLayout
 from ..modeling import IGNORE_INDEX, TidarCausalLMOutput, TidarForCausalLM, _mean_cross_entropy, load_causal_lm
 from .configuration import CdlmConfig
 from .masks import dlm_layout
@@ -115,9 +115,9 @@ class CdlmForCausalLM(TidarForCausalLM):
         """The block size of the attention mask: ``None`` when bidirectional."""
         return self.config.block_size if self.config.attention_mode == "block_causal" else None
 
-    def layout(
+    def attention_layout(
         self, valid: torch.Tensor, prompt_len: torch.Tensor | None = None, query_len: int | None = None
-    ) -> TidarLayout:
+    ) -> AttentionLayout:
         """This model's attention layout over key tokens ``valid`` (see :func:`hf_tidar.cdlm.masks.dlm_layout`)."""
         return dlm_layout(valid, prompt_len, self.mask_block_size, query_len)
 
@@ -165,7 +165,7 @@ class CdlmForCausalLM(TidarForCausalLM):
         if input_ids is None:
             raise ValueError("CdlmForCausalLM.forward needs input_ids.")
         valid = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        hidden = self.structured_hidden_states(input_ids, self.layout(valid, prompt_len), cache=None, **kwargs)
+        hidden = self.structured_hidden_states(input_ids, self.attention_layout(valid, prompt_len), cache=None, **kwargs)
         logits = self.vocab_logits(hidden)
         loss = None
         if labels is not None:

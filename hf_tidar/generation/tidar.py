@@ -9,7 +9,7 @@ emitted: the verifier chose it in the previous pass):
    :mod:`.acceptance`). The token chosen after the last accepted draft is exact and is emitted too.
 3. Keep the KV of the accepted drafts. Drafts come first in the query, so this is a crop — in a batch,
    rows that accepted fewer than the most leave invalid slots (holes) that a periodic gather removes.
-4. Next drafts: the slots of the group for the accepted count (:class:`.layout.DraftLayout`), with the
+4. Next drafts: the slots of the group for the accepted count (:class:`.layout.DraftPlan`), with the
    slot at the verifier's position replaced by the verifier's own token.
 
 Logits processors run at every verified position with that position's exact prefix, and stopping
@@ -29,9 +29,9 @@ from .._warning_stacklevel import user_stacklevel
 from ..cache import DraftCache
 from ..masks import DecodeMaskBuffer, StepMaskTemplate, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
-from .auto_layout import AutoLayout
+from .auto_plan import AutoDraftPlan
+from .draft_plan import DraftPlan, verification_plan
 from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES, NgramIndex, SourceChooser
-from .layout import DraftLayout, verification_layout
 from .outputs import StrategyGenerateOutput
 from .processors import refuse_stateful
 from .stopping import TokenStopper
@@ -85,7 +85,7 @@ class TidarDecoder:
     """State and steps of one ``generate(strategy="tidar")`` call (left-padded batch)."""
 
     def __init__(self, model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
-                 streamer, layout: DraftLayout | AutoLayout, verifier_weight: float, draft_source: str = "diffusion",
+                 streamer, layout: DraftPlan | AutoDraftPlan, verifier_weight: float, draft_source: str = "diffusion",
                  lookup_length: int = DEFAULT_LOOKUP_LENGTH):
         self.model = model
         self.mask_id = model.require_mask_token_id()
@@ -99,10 +99,10 @@ class TidarDecoder:
         self.streamer = streamer
         self.verifier_weight = verifier_weight
         self.mixed = verifier_weight != 1.0  # then each group's first slot is projected too (the diffusion term)
-        self.auto = layout if isinstance(layout, AutoLayout) else None
+        self.auto = layout if isinstance(layout, AutoDraftPlan) else None
         self.layout = self.auto.choose() if self.auto else layout
-        self.step_masks: dict[DraftLayout, StepMaskTemplate] = {}
-        self.projected_index: dict[DraftLayout, torch.Tensor] = {}
+        self.step_masks: dict[DraftPlan, StepMaskTemplate] = {}
+        self.projected_index: dict[DraftPlan, torch.Tensor] = {}
         self.keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
         self.keep_logits = bool(generation_config.return_dict_in_generate and generation_config.output_logits)
         self.attn_impl = model.model.config._attn_implementation
@@ -130,7 +130,7 @@ class TidarDecoder:
     def _source_pass_cost(self, source: str) -> float:
         """Measured seconds of the next pass with drafts from ``source`` (under ``draft_layout="auto"``)."""
         if source == "prompt_lookup":
-            return self.auto.step_cost(verification_layout(1 + self.lookup_length))
+            return self.auto.step_cost(verification_plan(1 + self.lookup_length))
         return self.auto.step_cost(self.layout)
 
     def _buffer(self, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -281,7 +281,7 @@ class TidarDecoder:
 
     def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskBuffer) -> list[Drafts | None]:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
-        layout = self.pass_layout(drafts)
+        layout = self.pass_plan(drafts)
         drafts = [self._fit(d, layout.draft_len) for d in drafts]
         hidden = self._forward(drafts, state, layout)
         logits = self.model.vocab_logits(hidden[:, self._projected_index(layout)]).float()
@@ -305,14 +305,14 @@ class TidarDecoder:
         tokens = scores.argmax(-1).tolist()  # the pass's one device-to-host read
         return [Choices(scores[index], tokens[index]) for index in range(len(active))]
 
-    def pass_layout(self, drafts: list[Drafts]) -> DraftLayout:
+    def pass_plan(self, drafts: list[Drafts]) -> DraftPlan:
         """This pass's layout: verification only when every row drafted by prompt lookup, else the
         decode's layout (whose groups pre-draft the next block)."""
         if self.lookup_length and all(d.source == "prompt_lookup" for d in drafts):
-            return verification_layout(max(len(d.tokens) for d in drafts))
+            return verification_plan(max(len(d.tokens) for d in drafts))
         return self.layout
 
-    def _projected_index(self, layout: DraftLayout) -> torch.Tensor:
+    def _projected_index(self, layout: DraftPlan) -> torch.Tensor:
         """The layout's projected rows (then, for a mixed verifier, its groups' first slots) as a device
         tensor, made once per layout."""
         if layout not in self.projected_index:
@@ -320,7 +320,7 @@ class TidarDecoder:
             self.projected_index[layout] = torch.tensor(rows, device=self.device)
         return self.projected_index[layout]
 
-    def _forward(self, drafts: list[Drafts], state: DecodeMaskBuffer, layout: DraftLayout) -> torch.Tensor:
+    def _forward(self, drafts: list[Drafts], state: DecodeMaskBuffer, layout: DraftPlan) -> torch.Tensor:
         """The pass itself: drafts then the layout's mask groups, over the cache. Returns hidden states."""
         k = layout.draft_len
         if layout not in self.step_masks:  # rendered once per layout
@@ -337,7 +337,7 @@ class TidarDecoder:
         )
 
     def _verify_rows(self, active: list[int], drafts: list[Drafts], ar_logits: torch.Tensor,
-                     first_slots: torch.Tensor | None, layout: DraftLayout,
+                     first_slots: torch.Tensor | None, layout: DraftPlan,
                      chosen: list[Choices] | None = None) -> list[int]:
         """Verify each active row's drafts against its AR logits ``[batch, k, V]`` (and, for a mixed verifier,
         its groups' first slots ``[batch, k, V]``); returns tokens emitted."""
@@ -357,11 +357,11 @@ class TidarDecoder:
         return emitted
 
     def _next_drafts(self, active: list[int], emitted: list[int], logits: torch.Tensor,
-                     layout: DraftLayout, chosen: list[Choices] | None = None) -> list[Drafts | None]:
+                     layout: DraftPlan, chosen: list[Choices] | None = None) -> list[Drafts | None]:
         """Each unfinished row's next block: its source group's slots after the verifier's own token (a
         verification-only pass has none: the row then drafts by lookup, or only its verified token).
 
-        ``logits`` are the pass's projected rows (:attr:`DraftLayout.projected_rows`).
+        ``logits`` are the pass's projected rows (:attr:`DraftPlan.projected_rows`).
         """
         next_drafts = []
         for index, row_id in enumerate(active):
@@ -520,7 +520,7 @@ def tidar_decode(
         draft_length: drafts per pass ``k`` (default and maximum: the trained block size).
         draft_groups: which pre-draft groups to compute (default: all ``1..k``; must contain 1).
         draft_layout: ``"auto"`` picks ``(k, groups)`` from this hardware's measured forward cost and the
-            running acceptance statistics (see :mod:`.auto_layout`).
+            running acceptance statistics (see :mod:`.auto_plan`).
         verifier_weight: ``beta`` of the mixed verifier in ``[0, 1]``; 1 (default) is exact AR verification.
             Below 1, position ``p + i`` is verified against ``beta * AR + (1 - beta) * diffusion``, the
             diffusion term being group ``i``'s first slot of the same pass (so every group must be computed).
@@ -546,7 +546,7 @@ def tidar_decode(
     # Checked before resolving the layout: "auto" would profile the hardware first.
     if verifier_weight != 1.0 and draft_layout is not None:
         raise ValueError(MIXED_NEEDS_EVERY_GROUP)
-    layout = resolve_layout(model, draft_length, draft_groups, draft_layout)
+    layout = resolve_draft_plan(model, draft_length, draft_groups, draft_layout)
     if verifier_weight != 1.0 and not layout.has_every_group:
         raise ValueError(MIXED_NEEDS_EVERY_GROUP)
     if verifier_weight != 1.0:
@@ -581,13 +581,13 @@ def _warn_if_rounding_differs(model, generation_config) -> None:
     )
 
 
-def resolve_layout(model, draft_length, draft_groups, draft_layout) -> DraftLayout | AutoLayout:
-    """The layout for this call: a fixed :class:`DraftLayout`, or the model's :class:`AutoLayout`."""
+def resolve_draft_plan(model, draft_length, draft_groups, draft_layout) -> DraftPlan | AutoDraftPlan:
+    """The layout for this call: a fixed :class:`DraftPlan`, or the model's :class:`AutoDraftPlan`."""
     block_size = model.config.block_size
     if draft_layout is None:
-        return DraftLayout.build(block_size if draft_length is None else draft_length, draft_groups, block_size)
+        return DraftPlan.build(block_size if draft_length is None else draft_length, draft_groups, block_size)
     if draft_layout != "auto":
         raise ValueError(f"draft_layout must be None or 'auto', got {draft_layout!r}.")
     if draft_length is not None or draft_groups is not None:
         raise ValueError("draft_layout='auto' chooses draft_length and draft_groups itself; pass neither.")
-    return AutoLayout.for_model(model)
+    return AutoDraftPlan.for_model(model)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks import CLEAN, TidarLayout
+from ..masks import CLEAN, AttentionLayout
 
 BIG = 2**30
 """Sentinel that no position, horizon or group id reaches; fits comfortably in int32."""
@@ -60,7 +60,7 @@ def _tile_reduce(x: torch.Tensor, block: int, fill: int, reduce_max: bool) -> to
     return padded.amax(-1) if reduce_max else padded.amin(-1)
 
 
-def key_tile_summaries(layout: TidarLayout, block_n: int) -> torch.Tensor:
+def key_tile_summaries(layout: AttentionLayout, block_n: int) -> torch.Tensor:
     """Per key tile: see :data:`KEY_SUMMARY_FIELDS`. Out-of-range tail keys count as padding."""
     valid = layout.valid.bool()
     is_clean = valid & (layout.group == CLEAN)
@@ -77,7 +77,7 @@ def key_tile_summaries(layout: TidarLayout, block_n: int) -> torch.Tensor:
     return torch.stack(fields, dim=-1).to(torch.int32).contiguous()
 
 
-def query_tile_summaries(layout: TidarLayout, block_m: int) -> torch.Tensor:
+def query_tile_summaries(layout: AttentionLayout, block_m: int) -> torch.Tensor:
     """Per query tile: see :data:`QUERY_SUMMARY_FIELDS`, over its non-padding queries.
 
     A padding query sees only itself, so it enters the summaries only through ``has_padding``.
@@ -100,7 +100,7 @@ def query_tile_summaries(layout: TidarLayout, block_m: int) -> torch.Tensor:
 
 
 def build_descriptors(
-    layout: TidarLayout, block_m: int, block_n: int, device: torch.device | str | None = None
+    layout: AttentionLayout, block_m: int, block_n: int, device: torch.device | str | None = None
 ) -> TileDescriptors:
     """Turn ``layout`` into the kernel's int32 inputs (per-token vectors plus tile summaries)."""
     if layout.position_ids.abs().max() >= BIG or layout.horizon.abs().max() >= BIG:
@@ -119,7 +119,7 @@ def build_descriptors(
 
 
 class TidarMaskCarrier(torch.Tensor):
-    """A 4D stand-in for the attention mask that carries a :class:`TidarLayout` to the kernel.
+    """A 4D stand-in for the attention mask that carries a :class:`AttentionLayout` to the kernel.
 
     transformers passes any 4D ``attention_mask`` tensor through ``create_causal_mask`` unchanged, so
     this object reaches the ``tidar_triton`` attention function of every layer as is. Its tensor
@@ -131,14 +131,14 @@ class TidarMaskCarrier(torch.Tensor):
     forward pass share them.
     """
 
-    tidar_layout: TidarLayout
+    tidar_layout: AttentionLayout
     _descriptor_cache: dict
 
     # Plain tensors out of any op: slices or copies of a carrier must not pretend to carry a layout.
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, layout: TidarLayout) -> TidarMaskCarrier:
+    def __new__(cls, layout: AttentionLayout) -> TidarMaskCarrier:
         shape = (layout.batch_size, 1, layout.query_len, layout.kv_len)
         data = torch.zeros((), dtype=torch.bool, device=layout.position_ids.device).expand(shape)
         carrier = torch.Tensor._make_subclass(cls, data, False)

@@ -11,7 +11,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .._warning_stacklevel import user_stacklevel
-from ..masks import TidarLayout, register_mask_renderer, to_bool_mask
+from ..masks import AttentionLayout, register_mask_renderer, to_bool_mask
 from .descriptors import TidarMaskCarrier, TileDescriptors
 
 ATTN_IMPLEMENTATION = "tidar_triton"
@@ -39,7 +39,7 @@ def tidar_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    layout: TidarLayout | TidarMaskCarrier | TileDescriptors,
+    layout: AttentionLayout | TidarMaskCarrier | TileDescriptors,
     scale: float | None = None,
     block_m: int | None = None,
     block_n: int | None = None,

@@ -1,19 +1,9 @@
-"""``draft_layout="auto"``: pick the draft layout that maximises expected tokens per second.
+"""Measured costs of TiDAR passes on this machine, cached on disk per model, device, dtype and threads.
 
-Cost model. A pass's time is ``cost(q)``, the measured forward latency of ``q`` query tokens against a
-cache (:func:`measure_forward_cost`, once per model/device/dtype, cached on disk). A layout with draft
-length ``k`` and groups ``{1..g}`` has ``q = k * (1 + g)``.
-
-Acceptance model. ``alpha_i`` is the running probability that draft ``i`` is accepted given drafts
-``1..i-1`` were (Laplace-smoothed counts over this model's passes). With ``m`` drafts in a block, the
-accepted count ``a`` has ``P(a >= i) = alpha_1 * ... * alpha_{i-1}``, and the pass emits ``a`` tokens.
-After ``a``, the next block has ``m' = k - (a - j)`` drafts where ``j`` is the largest group ``<= a``
-(:class:`.layout.DraftLayout`), so the draft length follows a small Markov chain; tokens per pass is the
-expectation of ``a`` under its stationary distribution.
-
-The layout maximising ``E[tokens per pass] / cost(q)`` is re-chosen every few passes. Candidates are
-``k = 1..block_size`` with groups ``{1..g}``: acceptance probabilities fall with depth, so the groups
-for small accepted counts are the ones worth their compute. Costs are measured at batch size 1.
+A pass's time is ``cost(q)``, the forward latency of ``q`` query tokens against a cache of
+``PROFILE_CACHE_LEN`` tokens (:func:`measure_forward_cost`), plus two small measured extras: the LM
+head's cost per projected row and the adapter's work on ``[MASK]`` rows. Each is measured once and
+cached under the project's cache root, keyed by what changes it.
 
 Profiling takes up to a minute on a small CPU; it says so in one log line (with where the profile is
 cached) and shows a progress bar on a terminal. A profile records the machine's load average and how
@@ -37,11 +27,9 @@ from tqdm import tqdm
 from .._logging import get_logger
 from ..assets import cache_root
 from ..cache import DraftCache
-from .layout import DraftLayout
 
 logger = get_logger(__name__)
 
-REPLAN_EVERY = 8  # passes between layout choices
 PROFILE_CACHE_LEN = 256  # cached tokens the cost is measured against
 PROFILE_REPEATS = 5
 MASK_PROBE_QUERY = 4  # query tokens of the mask-overhead probe (half of them [MASK])
@@ -114,7 +102,7 @@ def measure_lm_head_cost(model, repeats: int = PROFILE_REPEATS) -> float:
     """Median seconds the LM head adds per extra row (timed on ``LM_HEAD_ROWS`` rows against one).
 
     A TiDAR step projects ``k`` draft positions and ``k - 1`` slots of every computed group onto the
-    vocabulary (``DraftLayout.projected_rows``); on a small model with a large vocabulary that is a real
+    vocabulary (``DraftPlan.projected_rows``); on a small model with a large vocabulary that is a real
     part of the step's cost.
     """
     hidden = torch.randn(1, LM_HEAD_ROWS, model.config.get_text_config().hidden_size, device=model.device,
@@ -165,7 +153,7 @@ def measure_mask_overhead(model, repeats: int = PROFILE_REPEATS) -> float:
     return sorted(deltas[1:])[len(deltas[1:]) // 2]
 
 
-def _adapter_tag(model) -> str:
+def adapter_tag(model) -> str:
     """What acts on ``[MASK]`` rows: the cost curve does not depend on it, the mask overhead does."""
     from ..adapters import is_lean
 
@@ -187,13 +175,13 @@ def _cached_seconds(path: Path, field: str, measure) -> float:
 
 def load_or_measure_mask_overhead(model) -> float:
     """:func:`measure_mask_overhead`, once per model/device/dtype/threads and adapter form, cached on disk."""
-    path = cache_root() / "profiles" / f"{_profile_key(model)}.mask-{_adapter_tag(model)}.json"
+    path = cache_root() / "profiles" / f"{profile_key(model)}.mask-{adapter_tag(model)}.json"
     return _cached_seconds(path, "seconds", lambda: measure_mask_overhead(model))
 
 
 def load_or_measure_lm_head_cost(model) -> float:
     """:func:`measure_lm_head_cost`, measured once per model/device/dtype/threads and cached on disk."""
-    path = cache_root() / "profiles" / f"{_profile_key(model)}.lm_head.json"
+    path = cache_root() / "profiles" / f"{profile_key(model)}.lm_head.json"
     return _cached_seconds(path, "seconds_per_row", lambda: measure_lm_head_cost(model))
 
 
@@ -209,7 +197,7 @@ def sync_device(device: torch.device) -> None:
 PROFILE_VERSION = 3
 
 
-def _profile_key(model) -> str:
+def profile_key(model) -> str:
     config = model.config.get_text_config().to_json_string(use_diff=False)
     digest = hashlib.sha256(config.encode()).hexdigest()[:16]
     attn = model.config.get_text_config()._attn_implementation
@@ -222,7 +210,7 @@ def _profile_key(model) -> str:
 
 def profile_path(model) -> Path:
     """Where the cost curve of ``model`` (on its device, dtype, attention and thread count) is cached."""
-    return cache_root() / "profiles" / f"{_profile_key(model)}.json"
+    return cache_root() / "profiles" / f"{profile_key(model)}.json"
 
 
 def load_or_measure_costs(model, max_query: int) -> dict[int, float]:
@@ -367,107 +355,3 @@ def interpolate(costs: dict[int, float], q: int) -> float:
         if low <= q <= high:
             return costs[low] + (costs[high] - costs[low]) * (q - low) / (high - low)
     return costs[points[-1]] * q / points[-1]
-
-
-class AcceptanceStats:
-    """Running per-depth acceptance counts: draft ``i`` accepted given drafts ``1..i-1`` were."""
-
-    def __init__(self, max_drafts: int):
-        self.trials = [0] * (max_drafts + 1)
-        self.accepts = [0] * (max_drafts + 1)
-
-    def observe(self, drafts: int, emitted: int) -> None:
-        """A pass with ``drafts`` drafts (``d_0`` included) emitted ``emitted`` tokens."""
-        for depth in range(1, min(emitted, drafts - 1) + 1):
-            if depth >= len(self.trials):
-                break
-            self.trials[depth] += 1
-            self.accepts[depth] += depth < emitted
-
-    def alpha(self, depth: int) -> float:
-        """Smoothed acceptance probability at ``depth`` (prior 1/2)."""
-        return (self.accepts[depth] + 1) / (self.trials[depth] + 2)
-
-
-def expected_tokens_per_pass(layout: DraftLayout, alpha: list[float]) -> float:
-    """Stationary expected tokens per pass of ``layout`` (``alpha[i]``: acceptance at depth ``i``)."""
-    k = layout.draft_len
-    reach = [1.0]  # reach[i] = P(a >= i + 1)
-    for depth in range(1, k):
-        reach.append(reach[-1] * alpha[depth])
-    state = [0.0] * (k + 1)
-    state[k] = 1.0
-    for _ in range(64):  # power iteration over the draft length m
-        nxt = [0.0] * (k + 1)
-        for m in range(1, k + 1):
-            if state[m] == 0.0:
-                continue
-            for a in range(1, m + 1):
-                p_a = reach[a - 1] - (reach[a] if a < m else 0.0)
-                nxt[layout.next_draft_len(a)] += state[m] * p_a
-        state = nxt
-    return sum(state[m] * sum(reach[:m]) for m in range(1, k + 1))
-
-
-class AutoLayout:
-    """Chooses ``(k, groups)`` from measured costs and running acceptance; one per model."""
-
-    def __init__(self, costs: dict[int, float], block_size: int, lm_head_row_cost: float = 0.0,
-                 mask_overhead: float = 0.0):
-        self.costs = costs
-        self.block_size = block_size
-        self.lm_head_row_cost = lm_head_row_cost
-        self.mask_overhead = mask_overhead
-        self.stats = AcceptanceStats(block_size)
-        self.candidates = [
-            DraftLayout(k, tuple(range(1, g + 1))) for k in range(1, block_size + 1) for g in range(1, k + 1)
-        ]
-        self._current: DraftLayout | None = None
-        self._since_choice = 0
-        self.key: tuple | None = None
-
-    @classmethod
-    def for_model(cls, model) -> AutoLayout:
-        """The model's chooser (statistics persist across ``generate`` calls), profiling on first use.
-
-        A new chooser (and profile) is made when the block size, device, dtype, attention implementation
-        or thread count changed since.
-        """
-        key = (model.config.block_size, _profile_key(model), _adapter_tag(model))
-        chooser = getattr(model, "_tidar_auto_layout", None)
-        if chooser is None or chooser.key != key:
-            block = model.config.block_size
-            chooser = cls(load_or_measure_costs(model, block * (block + 1)), block,
-                          load_or_measure_lm_head_cost(model), load_or_measure_mask_overhead(model))
-            chooser.key = key
-            model._tidar_auto_layout = chooser
-        return chooser
-
-    def observe(self, drafts: int, emitted: int) -> None:
-        """Record one row's pass (``drafts`` drafts, ``emitted`` tokens)."""
-        self.stats.observe(drafts, emitted)
-
-    def count_pass(self) -> None:
-        """One forward pass happened (whatever the batch size): the layout is re-chosen every few."""
-        self._since_choice += 1
-
-    def step_cost(self, layout: DraftLayout) -> float:
-        """Seconds of one pass: the profiled forward (which projects ``min(q, 4)`` rows onto the vocabulary)
-        plus the LM head on the rest of the rows a step projects (``layout.projected_rows``), plus the
-        adapter's work on the mask rows when the layout has mask groups."""
-        q = layout.query_len
-        extra_rows = max(0, len(layout.projected_rows) - min(q, 4))
-        masks = self.mask_overhead if layout.groups else 0.0
-        return interpolate(self.costs, q) + extra_rows * self.lm_head_row_cost + masks
-
-    def tokens_per_second(self, layout: DraftLayout) -> float:
-        """Expected tokens per second of ``layout`` under the current statistics."""
-        alpha = [1.0] + [self.stats.alpha(d) for d in range(1, self.block_size + 1)]
-        return expected_tokens_per_pass(layout, alpha) / self.step_cost(layout)
-
-    def choose(self) -> DraftLayout:
-        """The best layout now (re-chosen every ``REPLAN_EVERY`` observed passes)."""
-        if self._current is None or self._since_choice >= REPLAN_EVERY:
-            self._current = max(self.candidates, key=self.tokens_per_second)
-            self._since_choice = 0
-        return self._current

@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class DraftLayout:
+class DraftPlan:
     """Draft length ``k`` and the sorted pre-draft groups (always containing group 1)."""
 
     draft_len: int
     groups: tuple[int, ...]
 
     @classmethod
-    def build(cls, draft_len: int, groups: Sequence[int] | None, block_size: int) -> DraftLayout:
+    def build(cls, draft_len: int, groups: Sequence[int] | None, block_size: int) -> DraftPlan:
         """Validate user input into a layout.
 
         Raises:
@@ -89,10 +89,10 @@ class DraftLayout:
         return self.draft_len - (accepted - self.source_group(accepted))
 
 
-def verification_layout(draft_len: int) -> DraftLayout:
+def verification_plan(draft_len: int) -> DraftPlan:
     """A pass that only verifies ``draft_len`` drafts (from prompt lookup) and pre-drafts nothing.
 
-    Not a user layout (:meth:`DraftLayout.build` requires group 1): the decode loop uses it for passes whose
+    Not a user layout (:meth:`DraftPlan.build` requires group 1): the decode loop uses it for passes whose
     drafts need no diffusion slots, so the pass is ``draft_len`` query tokens and no ``[MASK]``.
     """
-    return DraftLayout(draft_len, ())
+    return DraftPlan(draft_len, ())
