@@ -141,9 +141,9 @@ def to_lean(peft_model) -> nn.Module:
     from peft.tuners.lora import Embedding as LoraEmbedding
     from peft.tuners.lora import LoraLayer
 
-    from ..training.gated_lora import tidar_model_of
-
-    tidar = tidar_model_of(peft_model)
+    tidar = peft_model.get_base_model()
+    if not hasattr(tidar, "require_mask_token_id"):  # duck-typed: this package's modeling sits above it
+        raise TypeError(f"expected a PeftModel around a TidarForCausalLM, got one around {type(tidar).__name__}.")
     adapter = peft_model.active_adapter
     _check_plain_lora(peft_model, adapter)
     mask_id = tidar.require_mask_token_id()
