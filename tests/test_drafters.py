@@ -6,6 +6,7 @@ from test_tidar_decoding import _chi_square_p_value, _first_tokens_histogram, _l
 from toy import tiny_ar_model
 
 from hf_tidar import TidarForCausalLM
+from hf_tidar.generation import auto_plan
 from hf_tidar.generation.drafters import NgramIndex, SourceChooser
 
 
@@ -123,6 +124,11 @@ def test_with_pass_costs_the_chooser_compares_tokens_per_second():
 
 def test_auto_layout_drafts_by_lookup_where_it_pays_and_stays_exact(looping_model, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    # Fixed pass costs (a pass over q query tokens: 1 + q/8), so the choice does not depend on how busy
+    # the machine is while the test measures: a lookup pass, with no mask group, is the cheaper one.
+    monkeypatch.setattr(auto_plan, "load_or_measure_costs", lambda model, max_query: {1: 1.125, 64: 9.0})
+    monkeypatch.setattr(auto_plan, "load_or_measure_lm_head_cost", lambda model: 0.0)
+    monkeypatch.setattr(auto_plan, "load_or_measure_mask_overhead", lambda model: 0.0)
     prompt = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4]])
     settings = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():

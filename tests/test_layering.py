@@ -1,5 +1,6 @@
 """The package's imports run one way: each module imports only from its own layer or the layers below,
-and no two modules import each other (directly or around a longer circle), lazy imports included."""
+and no two modules import each other (directly or around a longer circle), lazy imports included. Imports
+under ``if TYPE_CHECKING:`` only name types for annotations and are never run, so they do not count."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _imports(path: Path) -> set[str]:
     name = _module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in _runtime_nodes(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {alias.name for alias in node.names if alias.name.startswith("hf_tidar")}
         elif isinstance(node, ast.ImportFrom):
@@ -57,6 +58,16 @@ def _imports(path: Path) -> set[str]:
                 # ``from . import x`` names modules too
                 found |= {f"{target}.{alias.name}" for alias in node.names if _is_module(f"{target}.{alias.name}")}
     return {module for module in found if _is_module(module)} - {name}
+
+
+def _runtime_nodes(tree: ast.AST):
+    """Every node of ``tree`` except those under ``if TYPE_CHECKING:`` (annotations only, never run)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", getattr(node.test, "attr", None)) == "TYPE_CHECKING":
+            yield from (n for child in node.orelse for n in ast.walk(child))
+            continue
+        yield node
+        yield from _runtime_nodes(node)
 
 
 def _is_module(dotted: str) -> bool:

@@ -9,7 +9,7 @@ from toy import counting_batch, tiny_ar_model
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import hf_tidar.generation.acceptance as acceptance
-import hf_tidar.generation.tidar as tidar_loop
+import hf_tidar.generation.tidar_decoder as tidar_loop
 from hf_tidar import TidarForCausalLM
 from hf_tidar.generation.auto_plan import AutoDraftPlan, expected_tokens_per_pass
 from hf_tidar.generation.draft_plan import DraftPlan

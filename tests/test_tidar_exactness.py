@@ -230,7 +230,7 @@ class _HostReads(torch.overrides.TorchFunctionMode):
 
 @pytest.mark.parametrize("source,batch", [("diffusion", 1), ("best", 1), ("diffusion", 2)])
 def test_a_greedy_pass_reads_back_from_the_device_once(monkeypatch, source, batch):
-    from hf_tidar.generation.tidar import TidarDecoder
+    from hf_tidar.generation.tidar_decoder import TidarDecoder
 
     model = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=24, seed=4), block_size=4).eval()
     prompts = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4], [0, 0, 5, 6, 7, 5, 6, 7, 5, 6]])[:batch]

@@ -84,6 +84,16 @@ class DraftPlan:
         """Index, among :attr:`projected_rows`, of ``group``'s second slot (its first projected one)."""
         return self.draft_len + self.groups.index(group) * (self.draft_len - 1)
 
+    def next_draft_rows(self, accepted: int) -> slice:
+        """Which of :attr:`projected_rows` hold the next block's drafts after ``accepted`` tokens were
+        emitted: the source group's slots after the verifier's position (a group's slot at offset
+        ``accepted - group`` is the position the verifier chose). A verification-only pass has none."""
+        if not self.groups:
+            return slice(0, 0)
+        group = self.source_group(accepted)
+        first = self.projected_slot_start(group)
+        return slice(first + accepted - group, first + self.draft_len - 1)
+
     def next_draft_len(self, accepted: int) -> int:
         """How many drafts the next block holds after ``accepted`` drafts were accepted."""
         return self.draft_len - (accepted - self.source_group(accepted))

@@ -6,7 +6,8 @@ proposes the tokens that followed the most recent earlier occurrence of the sequ
 code and on answers that quote the prompt it is often right several tokens in a row, where a small
 model's one-step diffusion draft is not.
 
-:class:`NgramIndex` keeps, per row, every n-gram's most recent continuation in a dict updated as tokens
+:class:`DiffusionDrafter` and :class:`LookupDrafter` turn each source's proposal into a :class:`Drafts`
+block. :class:`NgramIndex` keeps, per row, every n-gram's most recent continuation in a dict updated as tokens
 are emitted, so a lookup is a few dict reads instead of a scan of the sequence. :class:`SourceChooser`
 keeps the running mean of accepted drafts per source and picks, per pass, the source expected to commit
 more (a lookup is only a candidate when it found a match).
@@ -15,6 +16,11 @@ more (a lookup is only a candidate when it found a match).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .acceptance import Scorer, choose
 
 DRAFT_SOURCES = ("diffusion", "prompt_lookup", "best")
 """``draft_source`` values: diffusion slots only; prompt lookup where it matches (diffusion elsewhere);
@@ -88,3 +94,68 @@ class SourceChooser:
         """Record a pass whose drafts from ``source`` had ``accepted`` of them accepted."""
         self.accepted[source] += accepted
         self.passes[source] += 1
+
+
+@dataclass
+class Drafts:
+    """The next block of one row: tokens ``d_0..d_{m-1}`` and the processed scores that proposed them."""
+
+    tokens: list[int]
+    scores: torch.Tensor | None  # [m, V]; row 0 unused (d_0 came from the verifier); None: greedy drafts
+    source: str = "diffusion"
+
+
+class DiffusionDrafter:
+    """Drafts from a pass's diffusion slots, processed as AR decoding would process those positions."""
+
+    def __init__(self, scorer: Scorer, mask_id: int, do_sample: bool):
+        self.scorer = scorer
+        self.mask_id = mask_id
+        self.do_sample = do_sample
+
+    def exclude_mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """Slot logits with ``[MASK]`` itself never proposed (a copy)."""
+        logits = logits.clone()
+        logits[..., self.mask_id] = float("-inf")
+        return logits
+
+    def propose(self, row: int, prefix: torch.Tensor, first: int, slot_logits: torch.Tensor) -> Drafts:
+        """Drafts ``d_1..`` of batch row ``row`` (whose tokens so far are ``prefix``) from its slot logits
+        ``[m - 1, V]`` (``[MASK]`` already excluded), after ``d_0 = first`` (already emitted)."""
+        tokens, rows_scores = [first], [slot_logits.new_zeros(slot_logits.shape[-1]).float()]
+        if slot_logits.shape[0] and self.scorer.position_free:
+            scores = self.scorer.many(prefix, slot_logits)
+            tokens += choose(scores, self.do_sample).tolist()
+            return Drafts(tokens, torch.cat([rows_scores[0][None], scores]))
+        # Position-dependent processors: each slot is processed with the drafts before it appended.
+        for logits in slot_logits:
+            scores = self.scorer.one(row, prefix, logits)
+            token = int(choose(scores, self.do_sample))
+            tokens.append(token)
+            rows_scores.append(scores)
+            prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)
+        return Drafts(tokens, torch.stack(rows_scores))
+
+
+class LookupDrafter:
+    """Prompt-lookup drafts: the continuation of the context's last n-gram, where it occurred before."""
+
+    source = "prompt_lookup"
+
+    def __init__(self, vocab_size: int, do_sample: bool, device: torch.device):
+        self.vocab_size = vocab_size
+        self.do_sample = do_sample
+        self.device = device
+
+    def propose(self, ngrams: NgramIndex, first: int, count: int) -> Drafts | None:
+        """Up to ``count`` drafts after ``d_0 = first`` (``None``: no match). Proposals are deterministic,
+        so their draft distribution ``q`` is one-hot: what speculative sampling needs (greedy
+        verification needs none)."""
+        proposal = ngrams.propose(count)
+        if not proposal:
+            return None
+        scores = None
+        if self.do_sample:
+            scores = torch.full((len(proposal) + 1, self.vocab_size), float("-inf"), device=self.device)
+            scores[torch.arange(1, len(proposal) + 1), torch.tensor(proposal)] = 0.0
+        return Drafts([first, *proposal], scores, source=self.source)
