@@ -64,7 +64,7 @@ def check_model_folder(folder: str | os.PathLike, allow_hub_id: bool = False) ->
     missing folder as an invalid Hub id. With ``allow_hub_id``, a path that does not exist locally but can be
     a Hub id (``owner/name``) is left to ``from_pretrained``.
     """
-    from .modeling import check_local_path_exists
+    from .backbones import check_local_path_exists
 
     path = Path(folder)
     if not path.exists():

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100
 TEACHER_IDS = "teacher_topk_ids"
@@ -92,3 +93,14 @@ def soft_diffusion_loss(
         per_slot = torch.zeros(block, device=hits.device).index_add_(0, slots, hits)
         counts = torch.zeros(block, device=hits.device).index_add_(0, slots, torch.ones_like(hits))
     return SoftLossParts(loss, ce.mean().detach(), (per_slot / counts.clamp_min(1)).cpu())
+
+
+def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over non-ignored targets (0 when there are none, keeping the graph)."""
+    logits = logits.reshape(-1, logits.shape[-1])
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # a softmax over a large vocabulary in half precision loses too much
+    targets = targets.reshape(-1)
+    if not (targets != IGNORE_INDEX).any():
+        return logits.sum() * 0.0
+    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)

@@ -12,21 +12,27 @@ import copy
 import os
 from contextlib import nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM, GenerationMixin, PreTrainedModel
+from transformers import AutoModel, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ._quiet import drop_log_records
-from .configuration import TidarConfig, check_backbone_type, is_gguf_quantization
+from .backbones import check_dense_weights, load_causal_lm
+from .configuration import TidarConfig, check_backbone_type
 from .generation.mixin import StrategyGenerationMixin
-from .losses import SLOT_WEIGHTS, SOFT_LOSS_KEYS, TEACHER_IDS, TEACHER_LOGPROBS, soft_diffusion_loss
+from .losses import (
+    IGNORE_INDEX,
+    SLOT_WEIGHTS,
+    SOFT_LOSS_KEYS,
+    TEACHER_IDS,
+    TEACHER_LOGPROBS,
+    mean_cross_entropy,
+    soft_diffusion_loss,
+)
 from .masks import AttentionLayout, positions_from_padding, render_mask, tidar_training_layout
 
-IGNORE_INDEX = -100
 MASK_TOKEN = "[MASK]"
 
 
@@ -166,7 +172,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
 
         Adds a ``[MASK]`` token when ``config.mask_token_id`` is ``None``; otherwise checks it fits.
         """
-        _check_dense_weights(source)
+        check_dense_weights(source)
         config.text_config._attn_implementation = source.config._attn_implementation
         with torch.device("meta"):  # no random init of weights that are overwritten next (minutes on 8B models)
             model = cls(config)
@@ -273,7 +279,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         if alpha > 0:
             logits = self.vocab_logits(hidden)
             ar_logits, diffusion_logits = logits[:, :seq_len], logits[:, seq_len:]
-            ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
+            ar_loss = mean_cross_entropy(ar_logits[:, :-1], ar_targets)
         else:
             # alpha = 0 (e.g. gated LoRA): the AR loss is only logged, so its large vocabulary projection
             # gets no autograd graph, and the full logits are not kept while training.
@@ -283,7 +289,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             diffusion_logits = None if skip_full else self.vocab_logits(hidden[:, seq_len:])
             with torch.no_grad():
                 ar_logits = self.vocab_logits(hidden[:, :seq_len])
-                ar_loss = _mean_cross_entropy(ar_logits[:, :-1], ar_targets)
+                ar_loss = mean_cross_entropy(ar_logits[:, :-1], ar_targets)
             logits = None if torch.is_grad_enabled() else torch.cat([ar_logits, diffusion_logits], dim=1)
         extra_logs = {}
         if soft:
@@ -292,7 +298,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             extra_logs = {"diffusion_ce": parts.ce,
                           **{f"draft_acc_slot{r}": acc for r, acc in enumerate(parts.slot_accuracy)}}
         else:
-            diffusion_loss = _mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
+            diffusion_loss = mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
         loss = (alpha * ar_loss + diffusion_loss) / (1 + alpha)
         if self.training:
             self.loss_tracker.add(ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach(), **extra_logs)
@@ -369,57 +375,3 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
                 "TidarForCausalLM.from_ar(model) (which adds [MASK]) or pass mask_token_id=..."
             )
         return mask_id
-
-
-def load_causal_lm(model_or_path: PreTrainedModel | str | os.PathLike, **from_pretrained_kwargs) -> PreTrainedModel:
-    """A loaded ``PreTrainedModel`` as is, or ``AutoModelForCausalLM.from_pretrained`` of a folder / hub id.
-
-    Raises:
-        FileNotFoundError: ``model_or_path`` is neither an existing path nor something a Hub id can be.
-    """
-    if isinstance(model_or_path, (str, os.PathLike)):
-        check_local_path_exists(model_or_path)
-        return AutoModelForCausalLM.from_pretrained(model_or_path, **from_pretrained_kwargs)
-    if isinstance(model_or_path, PreTrainedModel):
-        return model_or_path
-    raise TypeError(f"Expected a PreTrainedModel or a path, got {type(model_or_path).__name__}.")
-
-
-def check_local_path_exists(path: str | os.PathLike) -> None:
-    """Raise ``FileNotFoundError`` for a path that does not exist and cannot be a Hub id either.
-
-    transformers would try it as a Hub id and fail with "Repo id must be in the form 'repo_name' or
-    'namespace/repo_name'", which hides that a local folder is simply missing.
-    """
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    if Path(path).exists():
-        return
-    try:
-        validate_repo_id(str(path))
-    except HFValidationError:
-        raise FileNotFoundError(f"no model folder at {path} (the path does not exist)") from None
-
-
-def _check_dense_weights(source: PreTrainedModel) -> None:
-    """Refuse a GGUF model whose weights transformers kept packed: there are no plain tensors to copy."""
-    quantizer = getattr(source, "hf_quantizer", None)
-    if is_gguf_quantization(getattr(source.config, "quantization_config", None)) and getattr(
-        quantizer, "packed_modules", None
-    ):
-        raise ValueError(
-            "This GGUF model keeps its weights packed in GGUF blocks. Load it unpacked to convert it: "
-            "from_pretrained(..., gguf_file=..., quantization_config=GgufConfig(dequantize=True))."
-        )
-
-
-def _mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over non-ignored targets (0 when there are none, keeping the graph)."""
-    logits = logits.reshape(-1, logits.shape[-1])
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # a softmax over a large vocabulary in half precision loses too much
-    targets = targets.reshape(-1)
-    if not (targets != IGNORE_INDEX).any():
-        return logits.sum() * 0.0
-    return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)

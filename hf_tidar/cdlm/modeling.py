@@ -14,9 +14,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.generation.configuration_utils import GenerationMode
 
+from ..backbones import load_causal_lm
 from ..configuration import check_backbone_type
+from ..losses import IGNORE_INDEX, mean_cross_entropy
 from ..masks import AttentionLayout
-from ..modeling import IGNORE_INDEX, TidarCausalLMOutput, TidarForCausalLM, _mean_cross_entropy, load_causal_lm
+from ..modeling import TidarCausalLMOutput, TidarForCausalLM
 from .configuration import CdlmConfig
 from .masks import dlm_layout
 
@@ -171,9 +173,9 @@ class CdlmForCausalLM(TidarForCausalLM):
         if labels is not None:
             labels = labels.masked_fill(~valid, IGNORE_INDEX)
             if self.config.shift_logits:
-                loss = _mean_cross_entropy(logits[:, :-1], labels[:, 1:])
+                loss = mean_cross_entropy(logits[:, :-1], labels[:, 1:])
             else:
-                loss = _mean_cross_entropy(logits, labels)
+                loss = mean_cross_entropy(logits, labels)
         return TidarCausalLMOutput(loss=loss, logits=logits)
 
     # -- generate ---------------------------------------------------------------------------------

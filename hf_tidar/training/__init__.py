@@ -6,16 +6,17 @@ from .data import byte_level_tokenizer, pack_texts, read_text_files, stdlib_sour
 from .gated_lora import (
     gated_lora_config,
     get_gated_lora_model,
-    install_mask_gate,
     load_gated_lora,
     load_tidar_adapter,
     save_gated_lora,
     tidar_base_for_adapter,
 )
+from .mask_gate import MaskGate, install_mask_gate
 
 __all__ = [
     "CorpusSplit",
     "HybridLossLogger",
+    "MaskGate",
     "byte_level_tokenizer",
     "gated_lora_config",
     "get_gated_lora_model",
