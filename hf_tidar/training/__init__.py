@@ -12,10 +12,13 @@ from .gated_lora import (
     save_gated_lora,
     tidar_base_for_adapter,
 )
+from .loss_logging import LossPartsLogMixin, TidarTrainer
 
 __all__ = [
     "CorpusSplit",
     "HybridLossLogger",
+    "LossPartsLogMixin",
+    "TidarTrainer",
     "byte_level_tokenizer",
     "gated_lora_config",
     "get_gated_lora_model",

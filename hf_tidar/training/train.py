@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import DataCollatorForSeq2Seq, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
+from transformers import DataCollatorForSeq2Seq, HfArgumentParser, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import SchedulerType, get_last_checkpoint
 
 from ..folders import check_output_folder
-from .callbacks import CurrentIntervals, HybridLossLogger
+from .callbacks import CurrentIntervals
 from .corpus import DEFAULT_HELD_OUT_FRACTION, STDLIB, load_corpus, packed_dataset
+from .loss_logging import TidarTrainer
 
 METHODS = ("full", "lora")
 DIFFUSION_LOSSES = ("ce", "soft")
@@ -385,7 +386,7 @@ def run_training(args: TidarTrainOptions, training_args: TidarTrainingArguments)
         "train_samples": len(train_set), "steps": trainer.state.global_step,
         "train_loss": result.training_loss, "seconds": round(seconds, 1), "output": output,
         "last_log": next((e for e in reversed(trainer.state.log_history) if "diffusion_loss" in e), {}),
-        # ar_loss / diffusion_loss are means over all processes (HybridLossLogger); Trainer's "loss" may not be.
+        # ar_loss / diffusion_loss are means over all processes (TidarTrainer); Trainer's "loss" may not be.
         "diffusion_losses": [e["diffusion_loss"] for e in trainer.state.log_history if "diffusion_loss" in e],
         "ar_losses": [e["ar_loss"] for e in trainer.state.log_history if "ar_loss" in e],
     }
@@ -401,13 +402,13 @@ def run_training(args: TidarTrainOptions, training_args: TidarTrainingArguments)
 
 
 def build_trainer(args: TidarTrainOptions, training_args: TidarTrainingArguments, model, tokenizer, train_set,
-                  held_out) -> Trainer:
+                  held_out) -> TidarTrainer:
     """The ``Trainer`` with this run's collator and callbacks.
 
     Raises:
         ValueError: a ``WORLD_SIZE`` that accelerate did not set up (a launch without torchrun / accelerate).
     """
-    trainer = Trainer(
+    trainer = TidarTrainer(
         model=model, args=training_args, train_dataset=train_set, eval_dataset=held_out,
         processing_class=tokenizer,
         data_collator=build_collator(args, tokenizer),
@@ -422,7 +423,6 @@ def build_trainer(args: TidarTrainOptions, training_args: TidarTrainingArguments
     if training_args.world_size > 1 and trainer.accelerator.num_processes != training_args.world_size:
         raise ValueError(f"WORLD_SIZE={training_args.world_size} but accelerate set up "
                          f"{trainer.accelerator.num_processes} process(es); launch with torchrun or accelerate launch.")
-    HybridLossLogger.attach(trainer)
     return trainer
 
 
