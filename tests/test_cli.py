@@ -224,3 +224,24 @@ def test_a_strategy_typo_fails_before_any_model_is_loaded(tmp_path, capsys):
         main(["generate", str(tmp_path / "no-model"), "--prompt", "hi", "--strategy", "tidr"])
     assert exit_info.value.code == 2
     assert "invalid choice: 'tidr'" in capsys.readouterr().err
+
+
+def test_every_subcommand_is_a_module_with_add_arguments_and_run():
+    import importlib
+
+    from hf_tidar.cli import COMMANDS
+
+    assert list(COMMANDS) == list(_subcommands())
+    for name in COMMANDS:
+        command = importlib.import_module(f"hf_tidar.commands.{name}")
+        assert command.HELP and callable(command.add_arguments) and callable(command.run), name
+        assert _subcommands()[name].get_default("run") is command.run
+
+
+def test_errors_map_to_exit_codes_in_one_place():
+    from hf_tidar.exit_codes import EXIT_ERROR, EXIT_HUB, exit_code_for
+    from hf_tidar.hub import HubPushError
+
+    assert exit_code_for(ValueError("bad")) == exit_code_for(FileNotFoundError("gone")) == EXIT_ERROR
+    assert exit_code_for(HubPushError("403")) == EXIT_HUB
+    assert exit_code_for(RuntimeError("a bug")) is None  # raised, not turned into an exit code

@@ -14,6 +14,7 @@ import pytest
 import torch
 from huggingface_hub import CommitInfo, HfApi, ModelCard, ModelCardData, RepoUrl
 from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError
+from huggingface_hub.utils import filter_repo_objects
 from toy import tiny_ar_model
 from transformers import AutoModelForCausalLM, GenerationConfig, TextIteratorStreamer, pipeline
 
@@ -230,13 +231,15 @@ def test_text_iterator_streamer_with_tidar(folders):
 
 
 class FakeHub:
-    """Stands in for the Hub's HTTP endpoints: records commits, or fails like the Hub does."""
+    """Stands in for the Hub's HTTP endpoints: records commits (``upload_folder`` calls are one commit each, as
+    for a model folder's few files), or fails like the Hub does."""
 
     def __init__(self, monkeypatch, fail_status: int | None = None):
-        self.commits, self.repos, self.validated = [], [], []
+        self.commits, self.repos, self.validated, self.folder_uploads = [], [], [], []
         self.fail_status = fail_status
         monkeypatch.setattr(HfApi, "create_repo", self.create_repo)
         monkeypatch.setattr(HfApi, "create_commit", self.create_commit)
+        monkeypatch.setattr(HfApi, "upload_folder", self.upload_folder)
         monkeypatch.setattr(HfApi, "preupload_lfs_files", self.refuse)
         monkeypatch.setattr(ModelCard, "validate", lambda card, repo_type=None: self.validated.append(str(card)))
 
@@ -245,17 +248,28 @@ class FakeHub:
         return RepoUrl(f"https://huggingface.co/{repo_id}")
 
     def create_commit(self, repo_id, operations, **kwargs):
+        return self._commit(repo_id, {op.path_in_repo: _read(op.path_or_fileobj) for op in operations}, kwargs)
+
+    def upload_folder(self, *, repo_id, folder_path, allow_patterns=None, ignore_patterns=None, **kwargs):
+        """What ``HfApi.upload_folder`` would commit: the folder's files its patterns select (read now: the
+        folder may be a temporary one)."""
+        self.folder_uploads.append({"allow_patterns": allow_patterns, "ignore_patterns": ignore_patterns})
+        folder = Path(folder_path)
+        names = [path.relative_to(folder).as_posix() for path in folder.rglob("*") if path.is_file()]
+        selected = filter_repo_objects(names, allow_patterns=allow_patterns, ignore_patterns=ignore_patterns)
+        return self._commit(repo_id, {name: (folder / name).read_bytes() for name in selected}, kwargs)
+
+    def _commit(self, repo_id, files, kwargs):
         if self.fail_status:
             request = httpx2.Request("POST", f"https://hub.invalid/api/models/{repo_id}/commit/main")
             response = httpx2.Response(self.fail_status, request=request, text="You don't have the rights")
             raise HfHubHTTPError(f"{self.fail_status} Forbidden: You don't have the rights", response=response)
-        files = {op.path_in_repo: _read(op.path_or_fileobj) for op in operations}
         self.commits.append((repo_id, files, kwargs))
         url = f"https://huggingface.co/{repo_id}/commit/1"
         return CommitInfo(commit_url=url, commit_message=kwargs.get("commit_message"), commit_description="", oid="1")
 
     def refuse(self, *args, **kwargs):
-        raise AssertionError("uploads must go through create_commit")
+        raise AssertionError("uploads must go through one commit")
 
 
 def _read(source) -> bytes:
@@ -281,6 +295,8 @@ def test_push_folder_uploads_exactly_the_published_files(folders, tmp_path, monk
     assert files["README.md"].decode() == hub.validated[0]  # validated online before the upload
     assert f'model_id = "{REPO}"' in files["README.md"].decode()
     assert _snapshot(folder) == before  # nothing written locally
+    # One upload_folder call, whose patterns name exactly the published files (optimizer.pt is not one).
+    assert hub.folder_uploads == [{"allow_patterns": sorted(FULL_MODEL_FILES), "ignore_patterns": None}]
 
 
 def test_push_model_object_and_adapter(folders, monkeypatch):

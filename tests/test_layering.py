@@ -19,11 +19,12 @@ LAYERS: list[set[str]] = [
     {"adapters"},
     {"generation"},
     {"modeling"},
-    {"cdlm", "folders"},
+    {"folders"},
     {"training"},
+    {"cdlm"},
     {"metrics", "__init__"},
     {"bench", "hub", "demo"},
-    {"cli", "__main__"},
+    {"cli", "__main__", "commands", "exit_codes"},
 ]
 
 

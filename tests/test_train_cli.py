@@ -94,3 +94,45 @@ def test_two_process_ddp_matches_one_process_on_the_same_global_batch(tmp_path):
     assert ddp["processes"] == 2 and single["processes"] == 1
     assert ddp["diffusion_losses"] == pytest.approx(single["diffusion_losses"], rel=1e-5)
     assert ddp["ar_losses"] == pytest.approx(single["ar_losses"], rel=1e-5)
+
+
+def test_every_training_arguments_option_reaches_the_trainer(tmp_path, capsys, monkeypatch):
+    from hf_tidar.training import train as train_module
+
+    built = []
+
+    def recording_build_trainer(*args, **kwargs):
+        built.append(train_module_build_trainer(*args, **kwargs))
+        return built[-1]
+
+    train_module_build_trainer = train_module.build_trainer
+    monkeypatch.setattr(train_module, "build_trainer", recording_build_trainer)
+    # --weight_decay and --adam-beta1 were never hf-tidar flags; --grad-accum is the old spelling.
+    _run(tmp_path, capsys, "--max-steps", "1", "--weight_decay", "0.25", "--adam-beta1", "0.8", "--grad-accum", "2",
+         "--lr_scheduler_type", "constant", "--output", str(tmp_path / "run"))
+    trainer = built[0]
+    assert trainer.args.weight_decay == 0.25 and trainer.args.adam_beta1 == 0.8
+    assert trainer.args.gradient_accumulation_steps == 2 and trainer.args.lr_scheduler_type == "constant"
+    assert trainer.optimizer.param_groups[0]["weight_decay"] == 0.25  # the option did reach the optimizer
+    assert trainer.args.per_device_eval_batch_size == 4  # follows --batch-size, as before
+
+
+def test_train_flags_keep_their_spellings_and_defaults(tmp_path):
+    from hf_tidar.cli import build_parser
+    from hf_tidar.training.train import parse_train_args
+
+    def parsed(*flags):
+        return parse_train_args(build_parser().parse_args(["train", "--model", "tiny", *flags]))
+
+    options, args = parsed("--output", "o", "--batch-size", "3", "--lr-scheduler", "constant", "--resume", "auto",
+                           "--data-order", "sequential", "--save-steps", "5", "--method", "lora", "--data")
+    assert (args.output_dir, args.per_device_train_batch_size, args.resume_from_checkpoint) == ("o", 3, "auto")
+    assert (args.lr_scheduler_type, args.train_sampling_strategy, args.save_steps) == ("constant", "sequential", 5)
+    assert args.learning_rate == 1e-3 and options.data == [] and options.method == "lora"
+    options, args = parsed("--output_dir", "o", "--learning_rate", "0.5", "--max_steps", "200")
+    assert (args.learning_rate, args.max_steps, args.warmup_steps) == (0.5, 200, 2)  # --warmup-ratio 0.01
+    assert args.save_strategy == "no" and args.seed == 0 and args.logging_steps == 10 and args.save_total_limit == 2
+    assert args.lr_scheduler_type == "cosine" and not args.remove_unused_columns and options.data == ["stdlib"]
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["train", "--model", "tiny", "--output", "o", "--no-such-option", "1"])
+    assert exit_info.value.code == 2

@@ -25,6 +25,7 @@ from torch import nn
 from transformers import Trainer
 
 from ..modeling import LossTracker
+from ..training.loss_logging import LossPartsLogMixin
 from .trajectories import trajectory_meta
 
 DEFAULT_LOSS_WEIGHTS = (1.0, 0.5, 0.01)
@@ -171,9 +172,10 @@ def _base_config(model):
     return base.config
 
 
-class CdlmTrainer(Trainer):
+class CdlmTrainer(LossPartsLogMixin, Trainer):
     """A ``Trainer`` for CDLM: each step samples states from trajectories and minimises
-    ``w_d * distillation + w_c * consistency + w_l * DLM``; each part is logged.
+    ``w_d * distillation + w_c * consistency + w_l * DLM``; each part is logged, averaged over processes
+    (:class:`~hf_tidar.training.loss_logging.LossPartsLogMixin`).
 
     Args:
         teacher_head: the teacher's LM head, to turn stored hidden states into its distribution.
@@ -221,12 +223,6 @@ class CdlmTrainer(Trainer):
         if model.training:
             self.loss_tracker.add(**{name: value.detach() for name, value in parts.items()})
         return (total, parts) if return_outputs else total
-
-    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
-        """Add the mean of each loss since the last log to the training logs."""
-        if "loss" in logs:
-            logs.update(self.loss_tracker.pop_means())
-        super().log(logs, *args, **kwargs)
 
 
 def lora_student(teacher, block_size: int | None = None, rank: int = 16, alpha: int = 32, dropout: float = 0.0):

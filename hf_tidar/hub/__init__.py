@@ -1,13 +1,13 @@
 """Model cards and Hub publishing for TiDAR models, gated TiDAR adapters and CDLM models.
 
 Cards are ``huggingface_hub.ModelCard`` objects rendered from the Jinja templates in
-``hf_tidar/model_cards/``; their metadata is a ``ModelCardData``. Publishing builds one commit
-(``HfApi.create_commit``) holding exactly the files a user needs: safetensors weights, ``config.json``,
+``hf_tidar/model_cards/``; their metadata is a ``ModelCardData``. Publishing makes one upload
+(``HfApi.upload_folder``) holding exactly the files a user needs: safetensors weights, ``config.json``,
 ``generation_config.json`` with the default strategy, the tokenizer, the card and, for adapters, the PEFT
 adapter files. The local folder is only read, never written.
 
 The package: :mod:`.saved_folder` (what a saved folder holds), :mod:`.cards` (rendering and checking cards)
-and :mod:`.publish` (planning and making the commit; not named ``push``, which is the function).
+and :mod:`.publish` (planning and making the upload; not named ``push``, which is the function).
 """
 
 from .cards import (

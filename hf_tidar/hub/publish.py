@@ -1,19 +1,21 @@
-"""Publishing: one Hub commit (``HfApi.create_commit``) holding exactly the files a user needs.
+"""Publishing: one Hub upload (``HfApi.upload_folder``) holding exactly the files a user needs.
 
 Safetensors weights, ``config.json``, ``generation_config.json`` with the default strategy, the tokenizer, the
-card and, for adapters, the PEFT adapter files. The local folder is only read, never written.
+card and, for adapters, the PEFT adapter files. The local folder is only read, never written: the files that
+differ from it (the generation config, a rendered card, a marked adapter config) are written to a staging
+folder next to links to the folder's own files, and ``upload_folder`` uploads the staging folder.
 """
 
 from __future__ import annotations
 
-import io
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from huggingface_hub import CommitOperationAdd, HfApi, ModelCard
+from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 
 from ..adapter_format import marked_config_text
@@ -44,12 +46,17 @@ class UploadPlan:
     files: dict[str, Path | bytes]
     skipped: list[str]
 
-    def operations(self) -> list[CommitOperationAdd]:
-        """One ``CommitOperationAdd`` per file (bytes are wrapped in a buffer; the folder is only read)."""
-        return [
-            CommitOperationAdd(path_in_repo=name, path_or_fileobj=io.BytesIO(src) if isinstance(src, bytes) else str(src))
-            for name, src in sorted(self.files.items())
-        ]
+    def stage(self, directory: Path) -> None:
+        """Lay the files out in ``directory``: the generated ones written, the folder's own linked (else copied)."""
+        for name, source in self.files.items():
+            target = directory / name
+            if isinstance(source, bytes):
+                target.write_bytes(source)
+                continue
+            try:
+                target.symlink_to(Path(source).resolve())  # weights can be gigabytes: link rather than copy
+            except OSError:  # no symlinks here (Windows without the privilege)
+                shutil.copyfile(source, target)
 
 
 def plan_upload(
@@ -187,16 +194,21 @@ def push(
 
 def _commit(plan: UploadPlan, repo_id: str, source: str, api: HfApi, token, private, revision, create_pr,
             commit_message, validate_online):
-    """Create the repo if needed and upload ``plan`` in one commit, translating Hub errors."""
+    """Create the repo if needed and upload ``plan`` with ``upload_folder`` (one commit), translating Hub errors."""
     message = commit_message or f"Upload {plan.kind} model with hf_tidar"
     try:
         if validate_online:
             ModelCard(_as_text(plan.files[CARD_FILE])).validate()
         api.create_repo(repo_id, token=token, private=private, exist_ok=True)
-        return api.create_commit(
-            repo_id, operations=plan.operations(), commit_message=message, token=token, revision=revision,
-            create_pr=create_pr,
-        )
+        with tempfile.TemporaryDirectory() as staging:
+            plan.stage(Path(staging))
+            # The staging folder holds the plan's files only; allow_patterns names them all the same, so
+            # nothing else could ever be uploaded. A model folder is far under upload_folder's per-commit
+            # batch (256 files): one commit.
+            return api.upload_folder(
+                repo_id=repo_id, folder_path=staging, allow_patterns=sorted(plan.files), commit_message=message,
+                token=token, revision=revision, create_pr=create_pr,
+            )
     except HUB_ERRORS as error:
         response = getattr(error, "response", None)
         status = response.status_code if response is not None else "no response"

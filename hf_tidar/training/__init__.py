@@ -11,12 +11,15 @@ from .gated_lora import (
     save_gated_lora,
     tidar_base_for_adapter,
 )
+from .loss_logging import LossPartsLogMixin, TidarTrainer
 from .mask_gate import MaskGate, install_mask_gate
 
 __all__ = [
     "CorpusSplit",
     "HybridLossLogger",
     "MaskGate",
+    "LossPartsLogMixin",
+    "TidarTrainer",
     "byte_level_tokenizer",
     "gated_lora_config",
     "get_gated_lora_model",

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from accelerate import PartialState
+from accelerate.utils import reduce
 from transformers import Trainer, TrainerCallback
+
+from .loss_logging import mean_over_processes
 
 
 class HybridLossLogger(TrainerCallback):
@@ -10,8 +14,9 @@ class HybridLossLogger(TrainerCallback):
 
     The model accumulates both parts over training forwards (``TidarForCausalLM.loss_tracker``); at
     each logging step this callback writes their means since the last log into the logs and into
-    ``state.log_history``. Reporting integrations (TensorBoard, W&B, ...) see the parts only if this
-    callback runs before them: use :meth:`attach` rather than ``callbacks=[...]``.
+    ``state.log_history``, averaged over processes (:func:`~hf_tidar.training.loss_logging.mean_over_processes`).
+    Reporting integrations (TensorBoard, W&B, ...) see the parts only if this callback runs before them: use
+    :meth:`attach` rather than ``callbacks=[...]``, or :class:`~hf_tidar.training.TidarTrainer` instead.
     """
 
     @classmethod
@@ -25,29 +30,10 @@ class HybridLossLogger(TrainerCallback):
         tracker = getattr(model, "loss_tracker", None)
         if logs is None or tracker is None:
             return
-        means = _mean_over_processes(tracker.pop_means())
+        means = mean_over_processes(tracker.pop_means(), reduce, PartialState().device)
         logs.update(means)
         if state.log_history:
             state.log_history[-1].update(means)
-
-
-def _mean_over_processes(means: dict[str, float]) -> dict[str, float]:
-    """Average the parts over DDP processes (each saw its own shard of the global batch); as is otherwise.
-
-    Every process reaches ``on_log`` at the same step, so the collective is safe.
-    """
-    import torch
-    import torch.distributed as dist
-
-    if not means or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return means
-    names = sorted(means)
-    backend = dist.get_backend()
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    values = torch.tensor([means[name] for name in names], dtype=torch.float64, device=device)
-    dist.all_reduce(values)
-    values /= dist.get_world_size()
-    return dict(zip(names, values.tolist(), strict=True))
 
 
 class CurrentIntervals(TrainerCallback):

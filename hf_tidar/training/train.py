@@ -18,15 +18,18 @@ import gc
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
-from transformers import DataCollatorForSeq2Seq, Trainer, TrainerCallback, TrainingArguments
-from transformers.trainer_utils import get_last_checkpoint
+from transformers import DataCollatorForSeq2Seq, HfArgumentParser, TrainerCallback, TrainingArguments
+from transformers.trainer_utils import SchedulerType, get_last_checkpoint
 
-from ..folders import add_overwrite_flag, check_output_folder
-from .callbacks import CurrentIntervals, HybridLossLogger
+from ..folders import check_output_folder
+from .callbacks import CurrentIntervals
 from .corpus import DEFAULT_HELD_OUT_FRACTION, STDLIB, load_corpus, packed_dataset
+from .loss_logging import TidarTrainer
 
 METHODS = ("full", "lora")
 DIFFUSION_LOSSES = ("ce", "soft")
@@ -35,54 +38,146 @@ TINY = "tiny"
 SMOLLM2 = "smollm2"
 
 
+DEFAULT_LEARNING_RATE = {"full": 1e-5, "lora": 1e-3}
+
+
+@dataclass
+class TidarTrainOptions:
+    """What ``hf-tidar train`` trains and on which data: everything that is not a ``TrainingArguments`` option."""
+
+    model: str = field(metadata={"help": "AR checkpoint folder (or hub id), 'smollm2', or 'tiny' (a fresh, random "
+                                 "2-layer Llama with a byte tokenizer: for smoke tests only)"})
+    method: Literal["full", "lora"] = field(
+        default="full", metadata={"help": "full continual pretraining, or lossless gated LoRA"})
+    overwrite: bool = field(default=False, metadata={
+        "help": "write into --output even if it is not empty (files of the same name are replaced)"})
+    block_size: int = field(default=4, metadata={"help": "diffusion block size B"})
+    alpha: float = field(default=1.0, metadata={"help": "AR loss weight in (alpha*L_AR + L_Diff)/(1+alpha); full only"})
+    data: list[str] = field(default_factory=lambda: [STDLIB], metadata={
+        "help": "text sources: files, folders, .jsonl, a saved dataset or a dataset name; 'stdlib' = the Python "
+                "standard library's source (default). Empty: --distilled only"})
+    distilled: list[str] = field(default_factory=list, metadata={
+        "help": "self-distillation datasets (python -m hf_tidar.training.distill)"})
+    text_field: str = field(default="text", metadata={"help": "JSONL / dataset field holding the text"})
+    max_files: int | None = field(default=None, metadata={"help": "read at most this many files per folder source"})
+    held_out_fraction: float = field(default=DEFAULT_HELD_OUT_FRACTION, metadata={
+        "help": "documents kept out of training (hash split; the stdlib split is pinned at the default)"})
+    seq_len: int = field(default=256, metadata={"help": "packed sample length; must be a multiple of --block-size"})
+    warmup_ratio: float = field(default=0.01, metadata={
+        "help": "fraction of the steps spent warming the LR up (unless --warmup-steps is given)"})
+    diffusion_loss: Literal["ce", "soft"] = field(default="ce", metadata={
+        "help": "ce: cross-entropy against the clean token (default); soft: KL to the base model's stored top-k "
+                "(distill --top-k) + CE, slot-weighted"})
+    slot_decay: float = field(default=0.8, metadata={
+        "help": "soft loss: draft slot r >= 1 of a block weighs decay**(r-1) (1: equal)"})
+    slot0_weight: float = field(default=0.1, metadata={
+        "help": "soft loss: weight of slot 0, the verifier's own position (decoding never reads it as a draft; "
+                "default 0.1)"})
+    init_adapter: str | None = field(default=None, metadata={
+        "help": "lora: start from this gated adapter's weights (an adapter folder or a checkpoint; optimizer and "
+                "schedule start fresh). Ignored when resuming"})
+    stop_at_step: int | None = field(default=None, metadata={
+        "help": "save a checkpoint and stop at this step, keeping the schedule of --max-steps (resume later with "
+                "--resume auto, e.g. once more data exists)"})
+    lora_rank: int = field(default=16, metadata={"help": "LoRA rank r (--method lora)"})
+    lora_alpha: int | None = field(default=None, metadata={"help": "default: 2 x rank"})
+    eval_samples: int = field(default=64, metadata={"help": "held-out packed samples evaluated at the end (0: none)"})
+    json: bool = field(default=False, metadata={"help": "print the final summary as JSON"})
+
+
+@dataclass
+class TidarTrainingArguments(TrainingArguments):
+    """``TrainingArguments`` with ``hf-tidar train``'s defaults and its own older flag spellings as aliases.
+
+    Every other ``TrainingArguments`` option keeps its name and default. ``learning_rate`` has no default here:
+    :func:`parse_train_args` fills in the method's (``DEFAULT_LEARNING_RATE``).
+    """
+
+    output_dir: str | None = field(default=None, metadata={
+        "aliases": ["--output"], "required": True,
+        "help": "new or empty output folder (checkpoints go under it too); with --resume, the folder of the run "
+                "to continue"})
+    per_device_train_batch_size: int = field(default=8, metadata={
+        "aliases": ["--batch-size"], "help": "per-device batch size"})
+    per_device_eval_batch_size: int | None = field(default=None, metadata={
+        "help": "per-device batch size for the held-out evaluation (default: --batch-size)"})
+    gradient_accumulation_steps: int = field(default=1, metadata={
+        "aliases": ["--grad-accum"], "help": "gradient accumulation steps"})
+    learning_rate: float | None = field(default=None, metadata={"help": "default: 1e-5 full, 1e-3 lora"})
+    max_steps: int = field(default=100, metadata={"help": "optimizer steps to train"})
+    lr_scheduler_type: SchedulerType | str = field(default="cosine", metadata={
+        "aliases": ["--lr-scheduler"], "help": "any transformers scheduler name (default: cosine, as the paper)"})
+    logging_steps: float = field(default=10, metadata={"help": "steps between loss logs"})
+    save_steps: float = field(default=0, metadata={"help": "checkpoint every N steps (0: only the final model)"})
+    save_total_limit: int | None = field(default=2, metadata={"help": "checkpoints kept (the oldest are deleted)"})
+    seed: int = field(default=0, metadata={"help": "random seed (data order, initialisation)"})
+    train_sampling_strategy: str = field(default="random", metadata={
+        "aliases": ["--data-order"], "choices": ["random", "sequential", "group_by_length", "batch_rebalance"],
+        "help": "sequential: rows in stored order (distill --shuffle mixes them already), so a resumed run over a "
+                "dataset that grew since (shards still landing) sees exactly the same batches"})
+    resume_from_checkpoint: str | None = field(default=None, metadata={
+        "aliases": ["--resume"], "help": "checkpoint folder to resume from, or 'auto' (the last one in --output)"})
+    # The collators read columns (soft targets) that the model's forward does not take.
+    remove_unused_columns: bool = field(default=False, metadata={
+        "help": "drop dataset columns the model's forward does not take"})
+
+    def __post_init__(self):
+        if self.learning_rate is None:
+            raise ValueError("learning_rate: none given (parse_train_args fills in the method's default).")
+        if self.bf16 and torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise ValueError("--bf16: this GPU does not support bf16; drop --bf16.")
+        if self.per_device_eval_batch_size is None:
+            self.per_device_eval_batch_size = self.per_device_train_batch_size
+        if self.save_steps == 0 and self.save_strategy == "steps":
+            self.save_strategy, self.save_steps = "no", 500  # 0: only the final model
+        self._distributed_defaults()
+        super().__post_init__()
+
+    def _distributed_defaults(self) -> None:
+        """CPU-only torchrun jobs: gloo, and ``use_cpu``.
+
+        Without ``use_cpu``, accelerate leaves a CPU-only torchrun job undistributed: every process would train
+        alone on its shard, silently (checked in :func:`run_training`).
+        """
+        if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+            return
+        self.dataloader_drop_last = True
+        if not torch.cuda.is_available():
+            self.use_cpu = True
+            self.ddp_backend = self.ddp_backend or "gloo"
+
+
+TRAIN_DATACLASSES = (TidarTrainOptions, TidarTrainingArguments)
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the ``train`` options to ``parser`` (shared by ``hf-tidar train`` and ``examples/train_tidar.py``)."""
-    add = parser.add_argument
-    add("--model", required=True, help="AR checkpoint folder (or hub id), 'smollm2', or 'tiny' (a fresh, random "
-        "2-layer Llama with a byte tokenizer: for smoke tests only)")
-    add("--method", choices=METHODS, default="full", help="full continual pretraining, or lossless gated LoRA")
-    add("--output", required=True, help="new or empty output folder (checkpoints go under it too); with --resume, "
-        "the folder of the run to continue")
-    add_overwrite_flag(parser)
-    add("--block-size", type=int, default=4, help="diffusion block size B")
-    add("--alpha", type=float, default=1.0, help="AR loss weight in (alpha*L_AR + L_Diff)/(1+alpha); full only")
-    add("--data", nargs="*", default=[STDLIB], help="text sources: files, folders, .jsonl, a saved dataset or a "
-        "dataset name; 'stdlib' = the Python standard library's source (default). Empty: --distilled only")
-    add("--distilled", nargs="*", default=[], help="self-distillation datasets (python -m hf_tidar.training.distill)")
-    add("--text-field", default="text", help="JSONL / dataset field holding the text")
-    add("--max-files", type=int, default=None, help="read at most this many files per folder source")
-    add("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION, help="documents kept out of training (hash split; the stdlib split is pinned at the default)")
-    add("--seq-len", type=int, default=256, help="packed sample length; must be a multiple of --block-size")
-    add("--batch-size", type=int, default=8, help="per-device batch size")
-    add("--grad-accum", type=int, default=1, help="gradient accumulation steps")
-    add("--learning-rate", type=float, default=None, help="default: 1e-5 full, 1e-3 lora")
-    add("--max-steps", type=int, default=100, help="optimizer steps to train")
-    add("--warmup-ratio", type=float, default=0.01, help="fraction of the steps spent warming the LR up")
-    add("--lr-scheduler", default="cosine", help="any transformers scheduler name (default: cosine, as the paper)")
-    add("--diffusion-loss", choices=DIFFUSION_LOSSES, default="ce", help="ce: cross-entropy against the clean "
-        "token (default); soft: KL to the base model's stored top-k (distill --top-k) + CE, slot-weighted")
-    add("--slot-decay", type=float, default=0.8, help="soft loss: draft slot r >= 1 of a block weighs "
-        "decay**(r-1) (1: equal)")
-    add("--slot0-weight", type=float, default=0.1, help="soft loss: weight of slot 0, the verifier's own position "
-        "(decoding never reads it as a draft; default 0.1)")
-    add("--init-adapter", default=None, help="lora: start from this gated adapter's weights (an adapter folder "
-        "or a checkpoint; optimizer and schedule start fresh). Ignored when resuming")
-    add("--data-order", choices=("random", "sequential"), default="random", help="sequential: rows in stored order "
-        "(distill --shuffle mixes them already), so a resumed run over a dataset that grew since (shards still "
-        "landing) sees exactly the same batches")
-    add("--stop-at-step", type=int, default=None, help="save a checkpoint and stop at this step, keeping the "
-        "schedule of --max-steps (resume later with --resume auto, e.g. once more data exists)")
-    add("--lora-rank", type=int, default=16, help="LoRA rank r (--method lora)")
-    add("--lora-alpha", type=int, default=None, help="default: 2 x rank")
-    add("--save-steps", type=int, default=0, help="checkpoint every N steps (0: only the final model)")
-    add("--save-total-limit", type=int, default=2, help="checkpoints kept (the oldest are deleted)")
-    add("--resume", default=None, help="checkpoint folder to resume from, or 'auto' (the last one in --output)")
-    add("--logging-steps", type=int, default=10, help="steps between loss logs")
-    add("--eval-samples", type=int, default=64, help="held-out packed samples evaluated at the end (0: none)")
-    add("--bf16", action="store_true", help="bf16 mixed precision (GPUs / CPUs that support it)")
-    add("--seed", type=int, default=0, help="random seed (data order, initialisation)")
-    add("--json", action="store_true", help="print the final summary as JSON")
+    """Add the ``train`` options to ``parser``: :class:`TidarTrainOptions` and every ``TrainingArguments`` one.
+
+    Both dataclasses go through ``HfArgumentParser``, which registers ``--name_with_underscores``, its dashed
+    spelling and the aliases in the field metadata (``--output``, ``--batch-size``, ...).
+    """
+    source = HfArgumentParser(TRAIN_DATACLASSES, add_help=False)
+    for action in source._actions:
+        if action.dest in ("data", "distilled"):
+            action.nargs = "*"  # HfArgumentParser asks for one value at least; --data alone means no text sources
+    # argparse's own way of copying another parser's options (what ``parents=`` does), so that the caller's
+    # parser (a subcommand's, with its formatter) keeps its class.
+    parser._add_container_actions(source)
     return parser
+
+
+def parse_train_args(args: argparse.Namespace) -> tuple[TidarTrainOptions, TidarTrainingArguments]:
+    """Split parsed ``train`` options into the two dataclasses; fills in the method's learning rate.
+
+    Unknown keys (``command``, ``func`` of the ``hf-tidar`` parser) are ignored.
+    """
+    values = dict(vars(args))
+    if values.get("learning_rate") is None:
+        values["learning_rate"] = DEFAULT_LEARNING_RATE[values["method"]]
+    if not values.get("warmup_steps"):
+        values["warmup_steps"] = max(0, round(values["warmup_ratio"] * values["max_steps"]))
+    options, training_args = HfArgumentParser(TRAIN_DATACLASSES).parse_dict(values, allow_extra_keys=True)
+    return options, training_args
 
 
 # -- model ----------------------------------------------------------------------------------------
@@ -111,7 +206,7 @@ def load_starting_point(name: str):
     return AutoModelForCausalLM.from_pretrained(name), AutoTokenizer.from_pretrained(name)
 
 
-def build_model(args: argparse.Namespace, ar_model, tokenizer):
+def build_model(args: TidarTrainOptions, ar_model, tokenizer):
     """The TiDAR model to train: the full model, or a gated-LoRA ``PeftModel`` around it."""
     from ..modeling import TidarForCausalLM
     from .gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
@@ -149,7 +244,7 @@ def load_adapter_weights(model, folder: str) -> None:
 # -- data -----------------------------------------------------------------------------------------
 
 
-def build_datasets(args: argparse.Namespace, tokenizer):
+def build_datasets(args: TidarTrainOptions, tokenizer):
     """(train, held-out) datasets with ``input_ids`` and ``labels``; the held-out one may be ``None``."""
     from datasets import concatenate_datasets
 
@@ -222,19 +317,20 @@ def checkpoint_method(folder: Path) -> str | None:
     return None
 
 
-def resolve_resume(args: argparse.Namespace) -> str | None:
-    """The checkpoint to resume from, checked against ``--method`` and ``--block-size``."""
-    if not args.resume:
+def resolve_resume(args: TidarTrainOptions, training_args: TrainingArguments) -> str | None:
+    """The checkpoint to resume from (``--resume``), checked against ``--method`` and ``--block-size``."""
+    resume, output = training_args.resume_from_checkpoint, training_args.output_dir
+    if not resume:
         return None
-    if args.resume == "auto":
-        last = get_last_checkpoint(args.output) if Path(args.output).is_dir() else None
+    if resume == "auto":
+        last = get_last_checkpoint(output) if Path(output).is_dir() else None
         if last is None:
             return None  # nothing yet: a fresh run
         folder = Path(last)
     else:
-        folder = Path(args.resume)
+        folder = Path(resume)
         if not folder.is_dir():
-            raise ValueError(f"--resume {args.resume}: no such checkpoint folder.")
+            raise ValueError(f"--resume {resume}: no such checkpoint folder.")
     method = checkpoint_method(folder)
     if method is not None and method != args.method:
         raise ValueError(
@@ -252,39 +348,7 @@ def resolve_resume(args: argparse.Namespace) -> str | None:
 # -- the run --------------------------------------------------------------------------------------
 
 
-def training_arguments(args: argparse.Namespace) -> TrainingArguments:
-    """``TrainingArguments`` from the command-line options."""
-    if args.bf16 and not (torch.cuda.is_available() and torch.cuda.is_bf16_supported()) and torch.cuda.is_available():
-        raise ValueError("--bf16: this GPU does not support bf16; drop --bf16.")
-    learning_rate = args.learning_rate if args.learning_rate is not None else (1e-3 if args.method == "lora" else 1e-5)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    return TrainingArguments(
-        output_dir=args.output,
-        max_steps=args.max_steps,
-        per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size,
-        gradient_accumulation_steps=args.grad_accum,
-        learning_rate=learning_rate,
-        lr_scheduler_type=args.lr_scheduler,
-        warmup_steps=max(0, round(args.warmup_ratio * args.max_steps)),
-        logging_steps=args.logging_steps,
-        save_strategy="steps" if args.save_steps else "no",
-        save_steps=args.save_steps or 500,
-        save_total_limit=args.save_total_limit,
-        bf16=args.bf16,
-        seed=args.seed,
-        report_to=[],
-        train_sampling_strategy=args.data_order,
-        remove_unused_columns=False,
-        # Without use_cpu, accelerate leaves a CPU-only torchrun job undistributed: every process would
-        # train alone on its shard, silently (checked in run_training).
-        use_cpu=distributed and not torch.cuda.is_available(),
-        ddp_backend="gloo" if distributed and not torch.cuda.is_available() else None,
-        dataloader_drop_last=distributed,
-    )
-
-
-def build_collator(args: argparse.Namespace, tokenizer):
+def build_collator(args: TidarTrainOptions, tokenizer):
     """Padding per batch; with ``--diffusion-loss soft``, also the stored top-k targets and the slot weights."""
     if args.diffusion_loss == "soft":
         from ..losses import decaying_slot_weights
@@ -294,26 +358,57 @@ def build_collator(args: argparse.Namespace, tokenizer):
     return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
 
 
-def run_training(args: argparse.Namespace) -> dict:
-    """Train as ``args`` say; save the model (full) or the gated adapter (lora) to ``args.output``.
+def run_training(args: TidarTrainOptions, training_args: TidarTrainingArguments) -> dict:
+    """Train as ``args`` say; save the model (full) or the gated adapter (lora) to ``training_args.output_dir``.
 
     Returns a summary (losses, steps, seconds, where the result is).
     """
     from .gated_lora import save_gated_lora
 
+    output = training_args.output_dir
     if args.method == "lora" and args.alpha != 1.0:
         raise ValueError("--alpha has no effect with --method lora (only the diffusion loss trains); drop it.")
-    check_output_folder(args.output, sources=[args.model, *args.data, *args.distilled],
-                        overwrite=getattr(args, "overwrite", False), resuming=bool(args.resume))
-    resume = resolve_resume(args)
+    check_output_folder(output, sources=[args.model, *args.data, *args.distilled], overwrite=args.overwrite,
+                        resuming=bool(training_args.resume_from_checkpoint))
+    resume = resolve_resume(args, training_args)
     ar_model, tokenizer = load_starting_point(args.model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = build_model(args, ar_model, tokenizer)
-    training_args = training_arguments(args)
     with training_args.main_process_first(desc="tokenising"):
         train_set, held_out, notes = build_datasets(args, tokenizer)
-    trainer = Trainer(
+    trainer = build_trainer(args, training_args, model, tokenizer, train_set, held_out)
+    start = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=resume)
+    seconds = time.perf_counter() - start
+    summary = {
+        "method": args.method, "processes": trainer.accelerator.num_processes, "data": notes,
+        "train_samples": len(train_set), "steps": trainer.state.global_step,
+        "train_loss": result.training_loss, "seconds": round(seconds, 1), "output": output,
+        "last_log": next((e for e in reversed(trainer.state.log_history) if "diffusion_loss" in e), {}),
+        # ar_loss / diffusion_loss are means over all processes (TidarTrainer); Trainer's "loss" may not be.
+        "diffusion_losses": [e["diffusion_loss"] for e in trainer.state.log_history if "diffusion_loss" in e],
+        "ar_losses": [e["ar_loss"] for e in trainer.state.log_history if "ar_loss" in e],
+    }
+    if held_out is not None:
+        summary["eval_loss"] = trainer.evaluate()["eval_loss"]
+    if args.method == "full":
+        trainer.save_model(output)  # every process: FSDP / DeepSpeed gather the shards here
+    if trainer.is_world_process_zero():
+        if args.method == "lora":
+            save_gated_lora(model, output)
+        tokenizer.save_pretrained(output)
+    return summary
+
+
+def build_trainer(args: TidarTrainOptions, training_args: TidarTrainingArguments, model, tokenizer, train_set,
+                  held_out) -> TidarTrainer:
+    """The ``Trainer`` with this run's collator and callbacks.
+
+    Raises:
+        ValueError: a ``WORLD_SIZE`` that accelerate did not set up (a launch without torchrun / accelerate).
+    """
+    trainer = TidarTrainer(
         model=model, args=training_args, train_dataset=train_set, eval_dataset=held_out,
         processing_class=tokenizer,
         data_collator=build_collator(args, tokenizer),
@@ -328,40 +423,25 @@ def run_training(args: argparse.Namespace) -> dict:
     if training_args.world_size > 1 and trainer.accelerator.num_processes != training_args.world_size:
         raise ValueError(f"WORLD_SIZE={training_args.world_size} but accelerate set up "
                          f"{trainer.accelerator.num_processes} process(es); launch with torchrun or accelerate launch.")
-    HybridLossLogger.attach(trainer)
-    start = time.perf_counter()
-    result = trainer.train(resume_from_checkpoint=resume)
-    seconds = time.perf_counter() - start
-    summary = {
-        "method": args.method, "processes": trainer.accelerator.num_processes, "data": notes, "train_samples": len(train_set), "steps": trainer.state.global_step,
-        "train_loss": result.training_loss, "seconds": round(seconds, 1), "output": args.output,
-        "last_log": next((e for e in reversed(trainer.state.log_history) if "diffusion_loss" in e), {}),
-        # ar_loss / diffusion_loss are means over all processes (HybridLossLogger); Trainer's "loss" may not be.
-        "diffusion_losses": [e["diffusion_loss"] for e in trainer.state.log_history if "diffusion_loss" in e],
-        "ar_losses": [e["ar_loss"] for e in trainer.state.log_history if "ar_loss" in e],
-    }
-    if held_out is not None:
-        summary["eval_loss"] = trainer.evaluate()["eval_loss"]
-    if args.method == "full":
-        trainer.save_model(args.output)  # every process: FSDP / DeepSpeed gather the shards here
-    if trainer.is_world_process_zero():
-        if args.method == "lora":
-            save_gated_lora(model, args.output)
-        tokenizer.save_pretrained(args.output)
-    return summary
+    return trainer
 
 
 def main(argv=None) -> int:
     """Entry point shared by ``hf-tidar train`` and ``examples/train_tidar.py``."""
-    args = add_train_arguments(argparse.ArgumentParser(description=__doc__.splitlines()[0])).parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    args = add_train_arguments(parser).parse_args(argv)
     return train_and_report(args)
 
 
 def train_and_report(args: argparse.Namespace) -> int:
-    """Train, close the process group under torchrun, print the summary; returns the exit code."""
-    summary = run_training(args)
+    """Train from parsed ``train`` options, close the process group under torchrun, print the summary.
+
+    Returns the exit code.
+    """
+    options, training_args = parse_train_args(args)
+    summary = run_training(options, training_args)
     close_process_group()
-    return report(summary, as_json=args.json)
+    return report(summary, as_json=options.json)
 
 
 def close_process_group() -> None:
