@@ -119,7 +119,7 @@ def test_every_training_arguments_option_reaches_the_trainer(tmp_path, capsys, m
 
 def test_train_flags_keep_their_spellings_and_defaults(tmp_path):
     from hf_tidar.cli import build_parser
-    from hf_tidar.training.train import parse_train_args
+    from hf_tidar.training.train_options import parse_train_args
 
     def parsed(*flags):
         return parse_train_args(build_parser().parse_args(["train", "--model", "tiny", *flags]))

@@ -9,7 +9,7 @@ HELP = "train a TiDAR model: full continual pretraining or lossless gated LoRA"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The TiDAR options and every ``TrainingArguments`` one (``HfArgumentParser``)."""
-    from ..training.train import add_train_arguments
+    from ..training.train_options import add_train_arguments
 
     add_train_arguments(parser)
 
