@@ -32,6 +32,8 @@ def add_card_flags(parser: argparse.ArgumentParser, when: str = "") -> None:
     parser.add_argument("--license", default=None, help="license id, e.g. apache-2.0 (default: the base's)" + suffix)
     parser.add_argument("--training-args", default=None, help="TrainingArguments JSON file" + suffix)
     parser.add_argument("--benchmark", default=None, help="benchmark JSON (`hf-tidar bench --json`)" + suffix)
+    parser.add_argument("--notes", default=None,
+                        help="markdown file appended after the generated sections (data, reproduction, limits)" + suffix)
 
 
 def card_inputs(args: argparse.Namespace, repo_id: str | None):
@@ -39,7 +41,8 @@ def card_inputs(args: argparse.Namespace, repo_id: str | None):
     from ..hub import CardInputs
 
     return CardInputs(repo_id=repo_id, base_model=args.base_model, license=args.license,
-                      training_args=args.training_args, benchmark=args.benchmark)
+                      training_args=args.training_args, benchmark=args.benchmark,
+                      notes=Path(args.notes) if args.notes else None)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -64,6 +64,8 @@ class CardInputs:
         training_args: ``TrainingArguments``, a dict, or a JSON file (``TrainingArguments.to_json_string()``).
         benchmark: a dict or JSON file with ``tokens_per_forward``, ``speedup``, ``machine`` (more keys allowed).
         datasets: Hub dataset ids trained on.
+        notes: markdown (a ``str``), or a markdown file (a path), appended after the generated sections: what the generated
+            tables cannot say, e.g. how the data was made, how to reproduce the run, the model's limits.
     """
 
     repo_id: str | None = None
@@ -72,6 +74,7 @@ class CardInputs:
     training_args: Any = None
     benchmark: Any = None
     datasets: list[str] = field(default_factory=list)
+    notes: str | os.PathLike | None = None
 
 
 def render_card(
@@ -118,6 +121,7 @@ def render_card(
         values["strategy_text"] = strategy_text(folder, kind, strategy)
     values["training_section"] = training_section(inputs.training_args)
     values["benchmark_section"] = benchmark_section(inputs.benchmark)
+    values["notes_section"] = notes_section(inputs.notes)
     card = ModelCard.from_template(data, template_path=str(MODEL_CARD_TEMPLATES / KINDS[kind]), **values)
     check_card(card)
     return card
@@ -254,6 +258,14 @@ def benchmark_section(benchmark: Any) -> str:
     rows = [f"| {key} | {result[key]} |" for key in BENCHMARK_KEYS]
     rows += [f"| {key} | {value} |" for key, value in result.items() if key not in BENCHMARK_KEYS]
     return "\n".join(["| measure | value |", "|---|---|", *rows])
+
+
+def notes_section(notes: str | os.PathLike | None) -> str:
+    """The card's closing sections: ``notes`` (markdown), or the text of the file a path names (empty: none)."""
+    if notes is None:
+        return ""
+    text = Path(notes).read_text() if isinstance(notes, os.PathLike) else notes
+    return text.strip() + "\n"
 
 
 def check_card(card: ModelCard) -> None:
