@@ -25,6 +25,7 @@ from datasets import Sequence as DsSequence
 from transformers import LogitsProcessorList
 
 from ..generation.processors import MaskTokenSuppressor
+from ..prompt_encoding import left_pad
 from .decoding import BlockDecoder, run_dlm
 
 META_FILE = "trajectories.json"
@@ -34,18 +35,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the tokenizer's vocabulary: trajectories are only valid for the same token ids."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` for token lists, padded on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.tensor(row)
-            mask[i, width - len(row) :] = 1
-    return ids, mask
 
 
 def _features(hidden_size: int) -> Features:
@@ -62,9 +51,7 @@ def _features(hidden_size: int) -> Features:
 
 @torch.no_grad()
 def _collect_batch(teacher, prompts, targets, max_new_tokens, block_size, eos_ids, pad_id) -> dict[str, list]:
-    input_ids, attention_mask = left_pad(prompts, pad_id)
-    device = teacher.device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    input_ids, attention_mask = left_pad(prompts, pad_id, teacher.device)
     decoder = BlockDecoder(
         teacher,
         input_ids,

@@ -33,6 +33,7 @@ from datasets import Dataset, Features, Value, concatenate_datasets, load_from_d
 from datasets import Sequence as DatasetSequence
 
 from ..folders import add_overwrite_flag, check_output_folder
+from ..prompt_encoding import encode_prompt, left_pad
 from .corpus import DEFAULT_HELD_OUT_FRACTION, Document
 
 IGNORE_INDEX = -100
@@ -118,12 +119,8 @@ def encode_prompts(tokenizer, code: Sequence[str], chat: Sequence[str], max_prom
     Prompts are kept short because training computes every prompt token (and its mask copy) while only
     the continuation carries the loss.
     """
-    encoded = [ids[-max_prompt_tokens:] for ids in tokenizer(list(code), add_special_tokens=False)["input_ids"]]
-    for question in chat:
-        messages = [{"role": "user", "content": question}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        encoded.append(list(ids["input_ids"])[:max_prompt_tokens])
-    return encoded
+    encoded = [encode_prompt(tokenizer, text)[-max_prompt_tokens:] for text in code]
+    return encoded + [encode_prompt(tokenizer, question, chat=True)[:max_prompt_tokens] for question in chat]
 
 
 # -- generation -----------------------------------------------------------------------------------
@@ -161,14 +158,9 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new_tokens
 def greedy_continuations_topk(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int,
                               eos_token_id: int | None, top_k: int = 0) -> list[Continuation]:
     """Greedy continuations of a batch of prompts and, with ``top_k``, the top-k log-probabilities per token."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    device = next(model.parameters()).device
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+    input_ids, attention_mask = left_pad(prompts, pad_token_id, next(model.parameters()).device)
+    width = input_ids.shape[1]
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
                          return_dict_in_generate=True, output_logits=top_k > 0)
     ids, logprobs = _topk_per_step(out.logits, top_k) if top_k else (None, None)
