@@ -308,18 +308,12 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def run_distill(args: argparse.Namespace) -> int:
     """Self-distil ``args.model`` on code + chat prompts cut from the train documents; returns an exit code."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from ..checkpoints import load_ar_model
     from .corpus import load_corpus
 
     check_output_folder(args.output, sources=[args.model, *args.data], overwrite=getattr(args, "overwrite", False),
                         resuming=(Path(args.output) / MANIFEST).exists())
-    if args.model == "smollm2":
-        from ..checkpoints import load_smollm2
-
-        model, tokenizer = load_smollm2()
-    else:
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+    model, tokenizer = load_ar_model(args.model)
     corpus = load_corpus(args.data, held_out_fraction=args.held_out_fraction)
     print(f"distill: {corpus.summary()} (prompts come from the train documents only)", flush=True)
     chat = chat_prompts(corpus.train, args.chat_prompts, seed=args.seed) if args.chat_prompts else []
