@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from datasets import Array2D, Dataset, Features, Value, concatenate_datasets, lo
 from datasets import Sequence as DsSequence
 from transformers import LogitsProcessorList
 
+from ..dataset_shards import ShardedDatasetWriter
 from ..generation.processors import MaskTokenSuppressor
 from ..prompt_encoding import left_pad
 from .decoding import BlockDecoder, run_dlm
@@ -128,21 +128,19 @@ def collect_trajectories(
     eos_ids = [] if eos is None else [eos]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     teacher.eval()
-    for shard, start in enumerate(range(0, len(prompts), shard_size)):
-        folder = output_dir / f"shard-{shard:05d}"
-        if folder.exists():
-            continue
+
+    def shard_rows(start: int, stop: int) -> dict[str, list]:
         rows: dict[str, list] = {}
-        for first in range(start, min(start + shard_size, len(prompts)), batch_size):
-            last = min(first + batch_size, start + shard_size, len(prompts))
+        for first in range(start, stop, batch_size):
+            last = min(first + batch_size, stop)
             batch_targets = None if targets is None else targets[first:last]
             part = _collect_batch(teacher, prompts[first:last], batch_targets, max_new_tokens, block_size, eos_ids, pad_id)
             for name, values in part.items():
                 rows.setdefault(name, []).extend(values)
-        tmp = output_dir / f".tmp-shard-{shard:05d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        Dataset.from_dict(rows, features=_features(meta["hidden_size"])).save_to_disk(str(tmp))
-        tmp.rename(folder)  # atomic: a crash never leaves a half-written shard that a resume would trust
+        return rows
+
+    writer = ShardedDatasetWriter(output_dir, _features(meta["hidden_size"]), name="shard-{:05d}", partial=".tmp-shard-{:05d}")
+    writer.write(len(prompts), shard_size, shard_rows)
     return load_trajectories(output_dir, tokenizer=tokenizer, block_size=block_size)
 
 

@@ -22,7 +22,6 @@ import ast
 import hashlib
 import json
 import random
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 from datasets import Dataset, Features, Value, concatenate_datasets, load_from_disk
 from datasets import Sequence as DatasetSequence
 
+from ..dataset_shards import ShardedDatasetWriter
 from ..folders import add_overwrite_flag, check_output_folder
 from ..prompt_encoding import encode_prompt, left_pad
 from .corpus import DEFAULT_HELD_OUT_FRACTION, Document
@@ -207,8 +207,7 @@ def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str 
         ValueError: ``output_dir`` holds a run over different prompts or settings (resume needs the same ones).
     """
     output = Path(output_dir)
-    shards = output / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
+    output.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(prompts, max_new_tokens, top_k)
     manifest = output / MANIFEST
     if manifest.exists() and json.loads(manifest.read_text())["fingerprint"] != fingerprint:
@@ -217,22 +216,20 @@ def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str 
                                     "max_new_tokens": max_new_tokens, "top_k": top_k,
                                     "shard_size": shard_size}) + "\n")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    starts = range(0, len(prompts), shard_size)
-    for number, start in enumerate(starts):
-        shard_dir = shards / f"{number:05d}"
-        if (shard_dir / "dataset_info.json").exists():
-            continue  # done in an earlier run
-        rows = _shard_rows(model, prompts[start : start + shard_size], max_new_tokens, batch_size, pad,
-                           tokenizer.eos_token_id, top_k)
-        partial = shards / f"{number:05d}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        Dataset.from_dict(rows, features=distilled_features(top_k)).save_to_disk(str(partial))
-        partial.replace(shard_dir)  # a shard is either complete or absent
-        if progress:
-            print(f"distill: shard {number + 1}/{len(starts)} done", flush=True)
-    dataset = concatenate_datasets([load_from_disk(str(shards / f"{n:05d}")) for n in range(len(starts))])
+    writer = ShardedDatasetWriter(output / "shards", distilled_features(top_k))
+    shards = writer.write(
+        len(prompts), shard_size,
+        lambda start, stop: _shard_rows(model, prompts[start:stop], max_new_tokens, batch_size, pad,
+                                        tokenizer.eos_token_id, top_k),
+        on_saved=_report_shard if progress else None,
+    )
+    dataset = concatenate_datasets([load_from_disk(str(shard)) for shard in shards])
     dataset.save_to_disk(str(output / "dataset"))
     return dataset
+
+
+def _report_shard(number: int, shards: int) -> None:
+    print(f"distill: shard {number + 1}/{shards} done", flush=True)
 
 
 def _shard_rows(model, chunk: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int, pad: int,
