@@ -30,7 +30,8 @@ from hf_tidar import metrics
 from hf_tidar.cdlm import CdlmConfig, CdlmForCausalLM
 from hf_tidar.cdlm.arithmetic import generate_problems, split, task_tokenizer
 from hf_tidar.cdlm.training import CdlmCollator, CdlmTrainer, lora_student
-from hf_tidar.cdlm.trajectories import collect_trajectories, left_pad
+from hf_tidar.cdlm.trajectories import collect_trajectories
+from hf_tidar.prompt_encoding import left_pad
 
 
 def backbone_config(tokenizer, hidden: int, layers: int) -> LlamaConfig:

@@ -19,13 +19,12 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
-    LlamaConfig,
-    LlamaForCausalLM,
     Trainer,
     TrainingArguments,
 )
 
 from hf_tidar import TidarForCausalLM
+from hf_tidar.tiny import tiny_causal_lm
 from hf_tidar.training import HybridLossLogger, byte_level_tokenizer, pack_texts, read_text_files, stdlib_source_files
 
 
@@ -34,12 +33,13 @@ def starting_point(model_path: str | None):
     if model_path:
         return AutoModelForCausalLM.from_pretrained(model_path), AutoTokenizer.from_pretrained(model_path)
     tokenizer = byte_level_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    # The package's tiny Llama made wider and deeper: this one is trained, not only run.
+    model = tiny_causal_lm(
+        "llama", len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
-    return LlamaForCausalLM(config), tokenizer
+    return model, tokenizer
 
 
 def main() -> None:

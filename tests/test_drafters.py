@@ -2,12 +2,13 @@
 
 import pytest
 import torch
-from test_tidar_decoding import _chi_square_p_value, _first_tokens_histogram, _left_pad, tiny_vocab_model  # noqa: F401
+from test_tidar_decoding import _chi_square_p_value, _first_tokens_histogram, tiny_vocab_model  # noqa: F401
 from toy import tiny_ar_model
 
 from hf_tidar import TidarForCausalLM
 from hf_tidar.generation import auto_plan
 from hf_tidar.generation.drafters import NgramIndex, SourceChooser
+from hf_tidar.prompt_encoding import left_pad
 
 
 def test_ngram_index_proposes_the_latest_continuation_of_the_longest_suffix():
@@ -36,7 +37,7 @@ def looping_model():
 
 @pytest.mark.parametrize("source", ["prompt_lookup", "best"])
 def test_lookup_drafts_keep_greedy_output_exact_and_commit_more(looping_model, source):
-    prompts, mask = _left_pad([torch.tensor([3, 9, 4, 9, 4, 9, 11]), torch.tensor([7, 5, 6])])
+    prompts, mask = left_pad([torch.tensor([3, 9, 4, 9, 4, 9, 11]), torch.tensor([7, 5, 6])], 0)
     settings = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
         ar = looping_model.generate(prompts, **settings)
@@ -95,7 +96,7 @@ def test_lookup_passes_verify_more_than_k_drafts_without_mask_rows(looping_model
 
 
 def test_lookup_passes_in_a_batch_stay_exact(looping_model):
-    prompts, mask = _left_pad([torch.tensor([3, 9, 4, 9, 4, 9, 11]), torch.tensor([7, 5, 6, 7, 5])])
+    prompts, mask = left_pad([torch.tensor([3, 9, 4, 9, 4, 9, 11]), torch.tensor([7, 5, 6, 7, 5])], 0)
     settings = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
         ar = looping_model.generate(prompts, **settings)

@@ -14,13 +14,13 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_tidar"
 # Lowest first. A module's layer is that of its first path component under hf_tidar/.
 LAYERS: list[set[str]] = [
     {"_logging", "_quiet", "_warning_stacklevel", "assets", "adapter_format", "cache", "configuration", "losses",
-     "masks", "prompts", "backbones"},
+     "masks", "prompts", "backbones", "prompt_encoding", "dataset_shards"},
     {"kernels", "cpu", "checkpoints"},
     {"adapters"},
     {"generation"},
     {"modeling"},
     {"folders"},
-    {"training"},
+    {"training", "tiny"},
     {"cdlm"},
     {"metrics", "__init__"},
     {"bench", "hub", "demo"},

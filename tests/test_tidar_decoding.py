@@ -13,6 +13,7 @@ import hf_tidar.generation.tidar_decoder as tidar_loop
 from hf_tidar import TidarForCausalLM
 from hf_tidar.generation.auto_plan import AutoDraftPlan, expected_tokens_per_pass
 from hf_tidar.generation.draft_plan import DraftPlan
+from hf_tidar.prompt_encoding import left_pad
 from hf_tidar.training import byte_level_tokenizer
 
 
@@ -28,16 +29,6 @@ def _copy(model, **config_changes):
 def _random_prompts(lengths, vocab, seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, vocab, (n,), generator=generator) for n in lengths]
-
-
-def _left_pad(prompts, pad=0):
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p) :] = p
-        mask[i, longest - len(p) :] = 1
-    return ids, mask
 
 
 # -- sampling ---------------------------------------------------------------------------------------
@@ -193,7 +184,7 @@ def test_batched_greedy_equals_each_row_alone(which, counting_model):
     if which == "counting":  # rows run into EOS at different times
         prompts[1] = counting_batch(1, 5, 32, torch.Generator().manual_seed(1))[0]
         eos = int((prompts[1][-1] + 4) % 32)
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts, 0)
     kwargs = dict(max_new_tokens=17, eos_token_id=eos, pad_token_id=0)
     out = model.generate(ids, attention_mask=mask, strategy="tidar", return_dict_in_generate=True, **kwargs)
     for index, prompt in enumerate(prompts):
@@ -215,7 +206,7 @@ def test_holes_are_compacted_without_changing_the_output(counting_model, monkeyp
     original = tidar_loop.DraftCache.gather_tokens
     monkeypatch.setattr(tidar_loop.DraftCache, "gather_tokens", lambda self, i: gathers.append(i) or original(self, i))
     prompts = _random_prompts([4, 2, 7], 32, seed=9)
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts, 0)
     out = counting_model.generate(ids, attention_mask=mask, strategy="tidar", max_new_tokens=30, eos_token_id=None)
     for index, prompt in enumerate(prompts):
         alone = counting_model.generate(prompt[None], max_new_tokens=30, eos_token_id=None)
@@ -342,7 +333,7 @@ def test_stop_strings_match_ar():
 
 def test_histogram_and_scores_in_the_dict_output(counting_model):
     prompts = _random_prompts([3, 5], 32, seed=3)
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts, 0)
     out = counting_model.generate(ids, attention_mask=mask, max_new_tokens=10, strategy="tidar", eos_token_id=None,
                                   pad_token_id=0, return_dict_in_generate=True, output_scores=True)
     assert len(out.scores) == 10 and out.scores[0].shape[0] == 2

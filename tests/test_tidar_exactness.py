@@ -15,21 +15,12 @@ from transformers import (
 
 from hf_tidar import CdlmForCausalLM, TidarForCausalLM
 from hf_tidar.masks import tidar_prefill_layout
-
-
-def _left_pad(prompts, pad=0):
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p) :] = p
-        mask[i, longest - len(p) :] = 1
-    return ids, mask
+from hf_tidar.prompt_encoding import left_pad
 
 
 def _batch(lengths=(3, 9, 1, 6), vocab=32, seed=5):
     generator = torch.Generator().manual_seed(seed)
-    return _left_pad([torch.randint(3, vocab, (n,), generator=generator) for n in lengths])
+    return left_pad([torch.randint(3, vocab, (n,), generator=generator) for n in lengths], 0)
 
 
 # -- processors with per-row state ---------------------------------------------------------------
@@ -198,7 +189,7 @@ def test_scores_of_finished_rows_match_transformers(counting_model):
     """transformers keeps computing a finished row, with pad tokens appended; its scores are real."""
     prompts = [counting_batch(1, n, 32, torch.Generator().manual_seed(n))[0] for n in (5, 3, 7)]
     eos = int((prompts[1][-1] + 5) % 32)  # row 1 counts into it after 5 tokens
-    ids, mask = _left_pad(prompts)
+    ids, mask = left_pad(prompts, 0)
     kwargs = dict(attention_mask=mask, max_new_tokens=16, eos_token_id=eos, pad_token_id=0,
                   return_dict_in_generate=True, output_scores=True, output_logits=True)
     expected = counting_model.generate(ids, **kwargs)

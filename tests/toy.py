@@ -3,35 +3,14 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from hf_tidar import TidarForCausalLM
-
-BACKBONES = {
-    "llama": (LlamaConfig, LlamaForCausalLM),
-    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
-    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
-}
+from hf_tidar.tiny import tiny_causal_lm
 
 
 def tiny_ar_model(model_type: str = "llama", vocab_size: int = 64, tie: bool = False, seed: int = 0, **overrides):
     """A randomly initialised 2-layer causal LM (float64, so argmax ties never flip between paths)."""
-    config_cls, model_cls = BACKBONES[model_type]
-    kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=tie,
-    )
-    if model_type == "qwen3":
-        kwargs["head_dim"] = 8
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs)).double().eval()
+    model = tiny_causal_lm(model_type, vocab_size, seed=seed, tie_word_embeddings=tie, **overrides).double().eval()
     model.generation_config.pad_token_id = 0
     return model
 

@@ -25,13 +25,14 @@ Metrics per (method, batch size, greedy/sampling):
 :mod:`hf_tidar.metrics` (loaded by path, so offline).
 
 The package, one job a module: :mod:`.prompts` (prompt sets and files), :mod:`.config` (:class:`BenchConfig`),
-:mod:`.models` (loading), :mod:`.methods` (the registry), :mod:`.batching` (padding in, tokens out),
+:mod:`.models` (loading), :mod:`.methods` (the registry), :mod:`.batching` (batches in, tokens out),
 :mod:`.measure` (forward passes, memory, the machine), :mod:`.scores` (quality and tokens per forward),
 :mod:`.run` (:func:`run_benchmark`), :mod:`.profile` (:func:`run_profile`), :mod:`.report` (tables and plots)
 and :mod:`.cli` (the flags of both commands).
 """
 
-from .batching import batches, generated_tokens, left_pad
+from ..prompt_encoding import left_pad
+from .batching import batches, generated_tokens
 from .config import DTYPES, BenchConfig
 from .measure import ForwardCounter, PeakMemory, machine_description
 from .methods import METHOD_BUILDERS, Method, MethodBuilder, build_methods, register_method

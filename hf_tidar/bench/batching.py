@@ -1,8 +1,8 @@
-"""Prompts in and tokens out of ``generate``: batches, left padding, the new tokens up to EOS."""
+"""Prompts in and tokens out of ``generate``: batches, the new tokens up to EOS (left padding: :mod:`hf_tidar.prompt_encoding`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import torch
 
@@ -11,17 +11,6 @@ def batches(encoded: list[list[int]], size: int) -> Iterator[tuple[list[int], li
     """``(prompt indices, prompts)`` in chunks of ``size``."""
     for start in range(0, len(encoded), size):
         yield list(range(start, min(start + size, len(encoded)))), encoded[start : start + size]
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``input_ids`` and ``attention_mask``."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row) :] = 1
-    return ids.to(device), mask.to(device)
 
 
 def generated_tokens(sequences: torch.Tensor, prompt_width: int, eos_ids: set[int]) -> list[list[int]]:

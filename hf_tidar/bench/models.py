@@ -9,9 +9,10 @@ import torch
 from transformers import PreTrainedModel
 
 from ..assets import SHIPPED_ADAPTER
+from ..checkpoints import SMOLLM2, load_smollm2
 from .config import DTYPES, BenchConfig
 
-BUILTIN_MODELS = ("smollm2", "tiny")
+BUILTIN_MODELS = (SMOLLM2, "tiny")
 
 
 @dataclass
@@ -42,20 +43,12 @@ def load_models(config: BenchConfig) -> Models:
     block = max([*config.draft_lengths, 1])
     dtype, device = DTYPES[config.dtype], torch.device(config.device)
     ar_baseline = None
-    if config.model == "smollm2" and config.adapter:
-        from ..checkpoints import load_smollm2
-        from ..training.gated_lora import load_tidar_adapter
-
-        ar_baseline, tokenizer = load_smollm2(quiet=True)
-        adapter = SHIPPED_ADAPTER if config.adapter == "shipped" else Path(config.adapter)
-        main = load_tidar_adapter(ar_baseline, adapter, tokenizer=tokenizer, lean=True)
-        description = f"SmolLM2-135M-Instruct + gated TiDAR adapter ({adapter.name})"
-    elif config.model == "smollm2":
-        from ..checkpoints import load_smollm2
-
+    if config.model == SMOLLM2 and config.adapter:
+        main, tokenizer, description, ar_baseline = _smollm2_with_adapter(config.adapter)
+    elif config.model == SMOLLM2:
         ar, tokenizer = load_smollm2(quiet=True)
-        main, description = TidarForCausalLM.from_ar(ar, block_size=block, tokenizer=tokenizer), "SmolLM2-135M-Instruct"
-        description += " (converted, untrained [MASK] drafts)"
+        main = TidarForCausalLM.from_ar(ar, block_size=block, tokenizer=tokenizer)
+        description = "SmolLM2-135M-Instruct (converted, untrained [MASK] drafts)"
     elif config.model == "tiny":
         main, tokenizer = _tiny_model(block)
         description = "random 2-layer Llama, byte-level tokenizer (smoke test)"
@@ -81,6 +74,17 @@ def load_models(config: BenchConfig) -> Models:
     return models
 
 
+def _smollm2_with_adapter(adapter: str):
+    """SmolLM2 with a gated TiDAR adapter (``"shipped"`` or a folder): the model, tokenizer, description and
+    the untouched SmolLM2 (the AR baseline)."""
+    from ..training.gated_lora import load_tidar_adapter
+
+    ar_baseline, tokenizer = load_smollm2(quiet=True)
+    folder = SHIPPED_ADAPTER if adapter == "shipped" else Path(adapter)
+    main = load_tidar_adapter(ar_baseline, folder, tokenizer=tokenizer, lean=True)
+    return main, tokenizer, f"SmolLM2-135M-Instruct + gated TiDAR adapter ({folder.name})", ar_baseline
+
+
 def _use_measured_linears(models: Models) -> None:
     """Every model on the measured CPU linear path; a stock-linear copy of the baseline stays for its own row."""
     import copy
@@ -102,18 +106,9 @@ def backbone(model: torch.nn.Module) -> torch.nn.Module:
 
 def tiny_ar_model(seed: int = 0):
     """A random 2-layer Llama and a byte-level tokenizer: the ``"tiny"`` model of smoke runs and tests."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from ..tiny import tiny_byte_level_lm
 
-    from ..training import byte_level_tokenizer
-
-    tokenizer = byte_level_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    ar = LlamaForCausalLM(config)
-    ar.generation_config.eos_token_id = tokenizer.eos_token_id
-    ar.generation_config.pad_token_id = tokenizer.pad_token_id
-    return ar, tokenizer
+    return tiny_byte_level_lm(seed=seed, max_position_embeddings=1024)
 
 
 def _tiny_model(block: int):

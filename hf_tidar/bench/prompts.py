@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..assets import prompt_set_file
+from ..prompt_encoding import encode_prompt
 
 PROMPT_SETS = ("code", "chat", "arithmetic")
 
@@ -65,8 +66,5 @@ def default_prompts(per_set: int) -> list[Prompt]:
 
 def encode(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids: chat prompts through the chat template (when the tokenizer has one), the rest as text."""
-    if prompt.kind == "chat" and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": prompt.text}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        return list(ids["input_ids"])
-    return list(tokenizer(prompt.text, add_special_tokens=False)["input_ids"])
+    chat = prompt.kind == "chat" and bool(getattr(tokenizer, "chat_template", None))
+    return encode_prompt(tokenizer, prompt.text, chat=chat)

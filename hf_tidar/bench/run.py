@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..generation.cost_profile import sync_device
-from .batching import batches, eos_token_ids, generated_tokens, left_pad
+from ..prompt_encoding import left_pad
+from .batching import batches, eos_token_ids, generated_tokens
 from .config import BenchConfig
 from .measure import ForwardCounter, PeakMemory, machine_description
 from .methods import Method, build_methods

@@ -6,7 +6,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import AutoConfig, PreTrainedConfig
 from transformers.configuration_utils import SubConfigSpec
 
-from ..configuration import check_backbone_type, check_full_attention, drop_gguf_quantization
+from ..configuration import check_converted_config
 
 ATTENTION_MODES = ("bidirectional", "block_causal")
 """``bidirectional``: a Dream/LLaDA-style teacher. ``block_causal``: the CDLM student (exact block KV cache)."""
@@ -39,12 +39,6 @@ class CdlmConfig(PreTrainedConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        check_backbone_type(self.text_config.model_type)
-        check_full_attention(self.text_config)
-        drop_gguf_quantization(self.text_config)
+        check_converted_config(self)
         if self.attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}, got {self.attention_mode!r}.")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
-            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}.")
-        # The backbone decides whether the LM head is tied to the input embeddings.
-        self.tie_word_embeddings = bool(getattr(self.text_config, "tie_word_embeddings", False))

@@ -185,6 +185,21 @@ def _decoder(model, input_ids, logits_processor, generation_config, threshold, b
     return decoder, pad
 
 
+def _start(model, input_ids, logits_processor, generation_config, threshold, block_size, streamer, model_kwargs,
+           strategy: str) -> tuple[torch.Tensor, BlockDecoder, int]:
+    """The start both decoding strategies share: ``(attention_mask, decoder, pad_token_id)``, the prompt streamed.
+
+    Stateful logits processors are refused; a missing attention mask means every prompt token is real.
+    """
+    refuse_stateful(logits_processor, strategy)
+    attention_mask = model_kwargs.get("attention_mask")
+    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    decoder, pad = _decoder(model, input_ids, logits_processor, generation_config, threshold, block_size)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    return attention_mask, decoder, pad
+
+
 def run_dlm(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_criteria=None, streamer=None) -> None:
     """Full-recomputation decoding of ``decoder``'s canvas (every pass sees the whole sequence)."""
     prompt_cols = input_ids.shape[1]
@@ -215,12 +230,8 @@ def dlm_decode(
     ``threshold=None``: vanilla masked diffusion, one token per pass, the most confident first (the
     baseline CDLM is measured against). A float: Fast-dLLM's confidence-threshold parallel decoding.
     """
-    refuse_stateful(logits_processor, "dlm")
-    attention_mask = model_kwargs.get("attention_mask")
-    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    decoder, pad = _decoder(model, input_ids, logits_processor, generation_config, threshold, block_size)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
+    attention_mask, decoder, pad = _start(model, input_ids, logits_processor, generation_config, threshold,
+                                          block_size, streamer, model_kwargs, "dlm")
     run_dlm(model, input_ids, attention_mask, decoder, stopping_criteria, streamer)
     if streamer is not None:
         streamer.end()
@@ -244,12 +255,8 @@ def cdlm_decode(
     finished, whose KV is then kept). Everything after the committed prefix is dropped from the cache
     after the pass, so finished blocks are computed exactly once.
     """
-    refuse_stateful(logits_processor, "cdlm")
-    attention_mask = model_kwargs.get("attention_mask")
-    attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
-    decoder, pad = _decoder(model, input_ids, logits_processor, generation_config, threshold, block_size)
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
+    attention_mask, decoder, pad = _start(model, input_ids, logits_processor, generation_config, threshold,
+                                          block_size, streamer, model_kwargs, "cdlm")
     prompt_len = attention_mask.sum(-1, keepdim=True)
     cache = DraftCache(config=model.config.get_text_config())
     committed = attention_mask[:, :0].bool()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -24,7 +23,9 @@ from datasets import Array2D, Dataset, Features, Value, concatenate_datasets, lo
 from datasets import Sequence as DsSequence
 from transformers import LogitsProcessorList
 
+from ..dataset_shards import ShardedDatasetWriter
 from ..generation.processors import MaskTokenSuppressor
+from ..prompt_encoding import left_pad
 from .decoding import BlockDecoder, run_dlm
 
 META_FILE = "trajectories.json"
@@ -34,18 +35,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of the tokenizer's vocabulary: trajectories are only valid for the same token ids."""
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``input_ids`` and ``attention_mask`` for token lists, padded on the left."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            ids[i, width - len(row) :] = torch.tensor(row)
-            mask[i, width - len(row) :] = 1
-    return ids, mask
 
 
 def _features(hidden_size: int) -> Features:
@@ -62,9 +51,7 @@ def _features(hidden_size: int) -> Features:
 
 @torch.no_grad()
 def _collect_batch(teacher, prompts, targets, max_new_tokens, block_size, eos_ids, pad_id) -> dict[str, list]:
-    input_ids, attention_mask = left_pad(prompts, pad_id)
-    device = teacher.device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    input_ids, attention_mask = left_pad(prompts, pad_id, teacher.device)
     decoder = BlockDecoder(
         teacher,
         input_ids,
@@ -141,21 +128,19 @@ def collect_trajectories(
     eos_ids = [] if eos is None else [eos]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     teacher.eval()
-    for shard, start in enumerate(range(0, len(prompts), shard_size)):
-        folder = output_dir / f"shard-{shard:05d}"
-        if folder.exists():
-            continue
+
+    def shard_rows(start: int, stop: int) -> dict[str, list]:
         rows: dict[str, list] = {}
-        for first in range(start, min(start + shard_size, len(prompts)), batch_size):
-            last = min(first + batch_size, start + shard_size, len(prompts))
+        for first in range(start, stop, batch_size):
+            last = min(first + batch_size, stop)
             batch_targets = None if targets is None else targets[first:last]
             part = _collect_batch(teacher, prompts[first:last], batch_targets, max_new_tokens, block_size, eos_ids, pad_id)
             for name, values in part.items():
                 rows.setdefault(name, []).extend(values)
-        tmp = output_dir / f".tmp-shard-{shard:05d}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        Dataset.from_dict(rows, features=_features(meta["hidden_size"])).save_to_disk(str(tmp))
-        tmp.rename(folder)  # atomic: a crash never leaves a half-written shard that a resume would trust
+        return rows
+
+    writer = ShardedDatasetWriter(output_dir, _features(meta["hidden_size"]), name="shard-{:05d}", partial=".tmp-shard-{:05d}")
+    writer.write(len(prompts), shard_size, shard_rows)
     return load_trajectories(output_dir, tokenizer=tokenizer, block_size=block_size)
 
 

@@ -44,12 +44,14 @@ def run(args: argparse.Namespace) -> int:
     """Generate from a saved model, streaming to stdout unless ``--json``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
+    from ..prompt_encoding import prompt_input_ids
+
     check_model_folder(args.model)
     strategy, ours = _generate_strategy(args)  # before loading weights: a wrong strategy fails fast
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    input_ids = _encode(tokenizer, args.prompt, chat=args.chat).to(model.device)
+    input_ids = prompt_input_ids(tokenizer, args.prompt, chat=args.chat).to(model.device)
     streamer = None if args.json else TextStreamer(tokenizer, skip_prompt=True)
     options = _generate_options(args)
     if ours:  # a plain transformers model takes no strategy argument
@@ -130,11 +132,3 @@ def _generate_options(args: argparse.Namespace) -> dict:
     if args.draft_layout is not None:
         options["draft_layout"] = args.draft_layout
     return options
-
-
-def _encode(tokenizer, prompt: str, chat: bool):
-    if chat:
-        messages = [{"role": "user", "content": prompt}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"]
-    return tokenizer(prompt, return_tensors="pt")["input_ids"]

@@ -19,6 +19,15 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _tile_summary(summary):
+    """One tile's summary (``descriptors.KEY_SUMMARY_FIELDS`` or ``QUERY_SUMMARY_FIELDS``): four bounds, two flags."""
+    return (
+        tl.load(summary + 0), tl.load(summary + 1), tl.load(summary + 2), tl.load(summary + 3),
+        tl.load(summary + 4) != 0, tl.load(summary + 5) != 0,
+    )
+
+
+@triton.jit
 def _tidar_attention_fwd(
     Q, K, V, OUT, STATS, TOK, KEY_TILES, QUERY_TILES,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -67,13 +76,9 @@ def _tidar_attention_fwd(
     q_horizon = tl.load(tok + 2 * stride_tf + q_tok * stride_tn, mask=row_ok, other=0)
     q_valid = tl.load(tok + 3 * stride_tf + q_tok * stride_tn, mask=row_ok, other=1)
 
-    qt = QUERY_TILES + b * stride_qtb + pid_m * stride_qtt
-    q_min_h = tl.load(qt + 0)
-    q_max_h = tl.load(qt + 1)
-    q_min_g = tl.load(qt + 2)
-    q_max_g = tl.load(qt + 3)
-    q_all_mask = tl.load(qt + 4) != 0
-    q_has_pad = tl.load(qt + 5) != 0
+    q_min_h, q_max_h, q_min_g, q_max_g, q_all_mask, q_has_pad = _tile_summary(
+        QUERY_TILES + b * stride_qtb + pid_m * stride_qtt
+    )
     first_q_tok = pid_m * BLOCK_M + offset
     q_one_group = q_all_mask & (q_min_g == q_max_g)
 
@@ -84,13 +89,9 @@ def _tidar_attention_fwd(
     kt_start = pid_s * tiles_per_split
     kt_end = tl.minimum(kt_start + tiles_per_split, n_key_tiles)
     for kt in range(kt_start, kt_end):
-        ks = KEY_TILES + b * stride_ktb + kt * stride_ktt
-        k_min_p = tl.load(ks + 0)
-        k_max_p = tl.load(ks + 1)
-        k_min_g = tl.load(ks + 2)
-        k_max_g = tl.load(ks + 3)
-        k_all_clean = tl.load(ks + 4) != 0
-        k_all_mask = tl.load(ks + 5) != 0
+        k_min_p, k_max_p, k_min_g, k_max_g, k_all_clean, k_all_mask = _tile_summary(
+            KEY_TILES + b * stride_ktb + kt * stride_ktt
+        )
         start_n = kt * BLOCK_N
         # A tile can hold a visible key only through one of the predicate's three clauses.
         reach_clean = k_min_p < q_max_h

@@ -20,7 +20,7 @@ from pathlib import Path
 from datasets import Dataset
 
 from ..assets import STDLIB_HELD_OUT_LIST
-from .data import pack_texts, stdlib_root, stdlib_source_files
+from .data import pack_texts, read_text_file, stdlib_root, stdlib_source_files
 
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".jsonl", ".c", ".h", ".js", ".ts", ".java", ".go", ".rs", ".toml")
 """File types read from folders (a file named explicitly is read whatever its suffix)."""
@@ -85,14 +85,6 @@ def collect_files(path: Path, suffixes: Sequence[str] = TEXT_SUFFIXES) -> list[P
     return sorted(p for p in files if not any(part.startswith(".") for part in p.relative_to(path).parts))
 
 
-def _read_file(path: Path) -> str | None:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-        return None
-    return text if text.strip() else None
-
-
 def _jsonl_documents(path: Path, text_field: str) -> tuple[list[Document], int]:
     docs, skipped = [], 0
     try:
@@ -155,7 +147,7 @@ def read_source(source: str, text_field: str = "text", split: str = "train",
             docs += more
             skipped += bad
             continue
-        text = _read_file(file)
+        text = read_text_file(file)
         if text is None:
             skipped += 1
         else:

@@ -25,23 +25,26 @@ def stdlib_source_files(limit: int | None = None) -> list[Path]:
     return files[:limit] if limit is not None else files
 
 
+def read_text_file(path: str | Path) -> str | None:
+    """A UTF-8 file's text, or ``None`` when it is undecodable, unreadable or empty (whitespace only).
+
+    ``None`` rather than an error: a corpus of thousands of files should skip a bad one, not stop.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return None
+    return text if text.strip() else None
+
+
 def read_text_files(paths: Iterable[Path]) -> tuple[list[str], int]:
-    """Read UTF-8 files, skipping undecodable, unreadable and empty ones.
+    """Read UTF-8 files with :func:`read_text_file`, skipping undecodable, unreadable and empty ones.
 
     Returns ``(texts, skipped)`` so callers can report how many files were dropped.
     """
-    texts, skipped = [], 0
-    for path in paths:
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            skipped += 1
-            continue
-        if text.strip():
-            texts.append(text)
-        else:
-            skipped += 1
-    return texts, skipped
+    texts = [read_text_file(path) for path in paths]
+    kept = [text for text in texts if text is not None]
+    return kept, len(texts) - len(kept)
 
 
 def pack_texts(tokenizer, texts: list[str], seq_len: int, add_eos: bool = True) -> Dataset:

@@ -22,7 +22,6 @@ import ast
 import hashlib
 import json
 import random
-import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,9 @@ import torch
 from datasets import Dataset, Features, Value, concatenate_datasets, load_from_disk
 from datasets import Sequence as DatasetSequence
 
+from ..dataset_shards import ShardedDatasetWriter
 from ..folders import add_overwrite_flag, check_output_folder
+from ..prompt_encoding import encode_prompt, left_pad
 from .corpus import DEFAULT_HELD_OUT_FRACTION, Document
 
 IGNORE_INDEX = -100
@@ -118,12 +119,8 @@ def encode_prompts(tokenizer, code: Sequence[str], chat: Sequence[str], max_prom
     Prompts are kept short because training computes every prompt token (and its mask copy) while only
     the continuation carries the loss.
     """
-    encoded = [ids[-max_prompt_tokens:] for ids in tokenizer(list(code), add_special_tokens=False)["input_ids"]]
-    for question in chat:
-        messages = [{"role": "user", "content": question}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        encoded.append(list(ids["input_ids"])[:max_prompt_tokens])
-    return encoded
+    encoded = [encode_prompt(tokenizer, text)[-max_prompt_tokens:] for text in code]
+    return encoded + [encode_prompt(tokenizer, question, chat=True)[:max_prompt_tokens] for question in chat]
 
 
 # -- generation -----------------------------------------------------------------------------------
@@ -161,14 +158,9 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new_tokens
 def greedy_continuations_topk(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int,
                               eos_token_id: int | None, top_k: int = 0) -> list[Continuation]:
     """Greedy continuations of a batch of prompts and, with ``top_k``, the top-k log-probabilities per token."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-        attention_mask[row, width - len(prompt) :] = 1
-    device = next(model.parameters()).device
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+    input_ids, attention_mask = left_pad(prompts, pad_token_id, next(model.parameters()).device)
+    width = input_ids.shape[1]
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
                          return_dict_in_generate=True, output_logits=top_k > 0)
     ids, logprobs = _topk_per_step(out.logits, top_k) if top_k else (None, None)
@@ -215,8 +207,7 @@ def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str 
         ValueError: ``output_dir`` holds a run over different prompts or settings (resume needs the same ones).
     """
     output = Path(output_dir)
-    shards = output / "shards"
-    shards.mkdir(parents=True, exist_ok=True)
+    output.mkdir(parents=True, exist_ok=True)
     fingerprint = _fingerprint(prompts, max_new_tokens, top_k)
     manifest = output / MANIFEST
     if manifest.exists() and json.loads(manifest.read_text())["fingerprint"] != fingerprint:
@@ -225,22 +216,20 @@ def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str 
                                     "max_new_tokens": max_new_tokens, "top_k": top_k,
                                     "shard_size": shard_size}) + "\n")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    starts = range(0, len(prompts), shard_size)
-    for number, start in enumerate(starts):
-        shard_dir = shards / f"{number:05d}"
-        if (shard_dir / "dataset_info.json").exists():
-            continue  # done in an earlier run
-        rows = _shard_rows(model, prompts[start : start + shard_size], max_new_tokens, batch_size, pad,
-                           tokenizer.eos_token_id, top_k)
-        partial = shards / f"{number:05d}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        Dataset.from_dict(rows, features=distilled_features(top_k)).save_to_disk(str(partial))
-        partial.replace(shard_dir)  # a shard is either complete or absent
-        if progress:
-            print(f"distill: shard {number + 1}/{len(starts)} done", flush=True)
-    dataset = concatenate_datasets([load_from_disk(str(shards / f"{n:05d}")) for n in range(len(starts))])
+    writer = ShardedDatasetWriter(output / "shards", distilled_features(top_k))
+    shards = writer.write(
+        len(prompts), shard_size,
+        lambda start, stop: _shard_rows(model, prompts[start:stop], max_new_tokens, batch_size, pad,
+                                        tokenizer.eos_token_id, top_k),
+        on_saved=_report_shard if progress else None,
+    )
+    dataset = concatenate_datasets([load_from_disk(str(shard)) for shard in shards])
     dataset.save_to_disk(str(output / "dataset"))
     return dataset
+
+
+def _report_shard(number: int, shards: int) -> None:
+    print(f"distill: shard {number + 1}/{shards} done", flush=True)
 
 
 def _shard_rows(model, chunk: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int, pad: int,
@@ -316,18 +305,12 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
 
 def run_distill(args: argparse.Namespace) -> int:
     """Self-distil ``args.model`` on code + chat prompts cut from the train documents; returns an exit code."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    from ..checkpoints import load_ar_model
     from .corpus import load_corpus
 
     check_output_folder(args.output, sources=[args.model, *args.data], overwrite=getattr(args, "overwrite", False),
                         resuming=(Path(args.output) / MANIFEST).exists())
-    if args.model == "smollm2":
-        from ..checkpoints import load_smollm2
-
-        model, tokenizer = load_smollm2()
-    else:
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(args.model), AutoTokenizer.from_pretrained(args.model)
+    model, tokenizer = load_ar_model(args.model)
     corpus = load_corpus(args.data, held_out_fraction=args.held_out_fraction)
     print(f"distill: {corpus.summary()} (prompts come from the train documents only)", flush=True)
     chat = chat_prompts(corpus.train, args.chat_prompts, seed=args.seed) if args.chat_prompts else []

@@ -30,7 +30,6 @@ from .corpus import load_corpus, packed_dataset
 from .loss_logging import TidarTrainer
 from .train_options import (
     MARKER,
-    SMOLLM2,
     TINY,
     TidarTrainingArguments,
     TidarTrainOptions,
@@ -43,25 +42,18 @@ from .train_options import (
 
 def load_starting_point(name: str):
     """The AR model and tokenizer to convert: a folder/hub id, ``smollm2`` or ``tiny``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    if name == SMOLLM2:
-        from ..checkpoints import load_smollm2
-
-        return load_smollm2()
     if name == TINY:
+        from ..tiny import tiny_causal_lm
         from .data import byte_level_tokenizer
 
         tokenizer = byte_level_tokenizer()
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-            bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        return LlamaForCausalLM(config), tokenizer
-    return AutoModelForCausalLM.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+        model = tiny_causal_lm("llama", vocab_size=len(tokenizer), seed=0, hidden_size=64, intermediate_size=128,
+                               max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
+                               eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        return model, tokenizer
+    from ..checkpoints import load_ar_model
+
+    return load_ar_model(name)
 
 
 def build_model(args: TidarTrainOptions, ar_model, tokenizer):

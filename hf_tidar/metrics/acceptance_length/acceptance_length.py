@@ -1,7 +1,8 @@
 """``acceptance_length``: mean number of tokens accepted per decoding step, and their histogram."""
 
 import datasets
-import evaluate
+
+from hf_tidar.metrics import base  # the module, not its class: see base.ShippedMetric
 
 _DESCRIPTION = """
 Acceptance length of a draft-and-verify decoder: per decoding step (one forward pass), the number of tokens it
@@ -24,17 +25,11 @@ Examples:
 """
 
 
-@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
-class AcceptanceLength(evaluate.Metric):
+class AcceptanceLength(base.ShippedMetric):
     """Mean accepted length per decoding step and the histogram of accepted lengths."""
 
-    def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features({"accepted_lengths": datasets.Value("int64")}),
-        )
+    DESCRIPTION, INPUTS = _DESCRIPTION, _KWARGS_DESCRIPTION
+    FEATURES = {"accepted_lengths": datasets.Value("int64")}
 
     def _compute(self, accepted_lengths: list[int]) -> dict[str, float | list[int]]:
         if not accepted_lengths:

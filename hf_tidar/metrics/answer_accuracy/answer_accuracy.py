@@ -1,9 +1,9 @@
 """``answer_accuracy``: the fraction of generated texts whose ``#### N`` answer equals the reference integer."""
 
 import datasets
-import evaluate
 
 from hf_tidar.cdlm.arithmetic import extract_answer
+from hf_tidar.metrics import base  # the module, not its class: see base.ShippedMetric
 
 _DESCRIPTION = """
 Answer accuracy on GSM8K-style problems: the answer of a generated text is the integer after its first ``####``
@@ -25,19 +25,11 @@ Examples:
 """
 
 
-@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
-class AnswerAccuracy(evaluate.Metric):
+class AnswerAccuracy(base.ShippedMetric):
     """Fraction of generated texts whose ``#### N`` answer equals the reference integer."""
 
-    def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {"predictions": datasets.Value("string"), "references": datasets.Value("int64")}
-            ),
-        )
+    DESCRIPTION, INPUTS = _DESCRIPTION, _KWARGS_DESCRIPTION
+    FEATURES = {"predictions": datasets.Value("string"), "references": datasets.Value("int64")}
 
     def _compute(self, predictions: list[str], references: list[int]) -> dict[str, float]:
         if not predictions:

@@ -1,7 +1,8 @@
 """``identical_rate``: the fraction of generated token sequences exactly equal to their reference sequences."""
 
 import datasets
-import evaluate
+
+from hf_tidar.metrics import base  # the module, not its class: see base.ShippedMetric
 
 _DESCRIPTION = """
 Identical-output rate: the fraction of generated token id sequences that are exactly equal (same ids, same
@@ -23,22 +24,14 @@ Examples:
 """
 
 
-@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
-class IdenticalRate(evaluate.Metric):
+class IdenticalRate(base.ShippedMetric):
     """Fraction of token sequences exactly equal to their references."""
 
-    def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features(
-                {
-                    "predictions": datasets.Sequence(datasets.Value("int64")),
-                    "references": datasets.Sequence(datasets.Value("int64")),
-                }
-            ),
-        )
+    DESCRIPTION, INPUTS = _DESCRIPTION, _KWARGS_DESCRIPTION
+    FEATURES = {
+        "predictions": datasets.Sequence(datasets.Value("int64")),
+        "references": datasets.Sequence(datasets.Value("int64")),
+    }
 
     def _compute(self, predictions: list[list[int]], references: list[list[int]]) -> dict[str, float]:
         if not predictions:

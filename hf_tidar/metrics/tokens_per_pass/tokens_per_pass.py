@@ -1,7 +1,8 @@
 """``tokens_per_pass``: generated tokens per forward pass of the model, over all sequences."""
 
 import datasets
-import evaluate
+
+from hf_tidar.metrics import base  # the module, not its class: see base.ShippedMetric
 
 _DESCRIPTION = """
 Tokens per forward pass: the total number of generated tokens divided by the total number of forward passes
@@ -23,17 +24,11 @@ Examples:
 """
 
 
-@evaluate.utils.file_utils.add_start_docstrings(_DESCRIPTION, _KWARGS_DESCRIPTION)
-class TokensPerPass(evaluate.Metric):
+class TokensPerPass(base.ShippedMetric):
     """Generated tokens / forward passes, summed over all sequences."""
 
-    def _info(self) -> evaluate.MetricInfo:
-        return evaluate.MetricInfo(
-            description=_DESCRIPTION,
-            citation="",
-            inputs_description=_KWARGS_DESCRIPTION,
-            features=datasets.Features({"tokens": datasets.Value("int64"), "passes": datasets.Value("int64")}),
-        )
+    DESCRIPTION, INPUTS = _DESCRIPTION, _KWARGS_DESCRIPTION
+    FEATURES = {"tokens": datasets.Value("int64"), "passes": datasets.Value("int64")}
 
     def _compute(self, tokens: list[int], passes: list[int]) -> dict[str, float]:
         total_passes = sum(passes)
