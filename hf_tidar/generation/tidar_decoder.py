@@ -200,10 +200,10 @@ class TidarDecoder:
             if accepted == m:  # every draft accepted: the bonus token comes from the target alone
                 self.emit(row, best[m - 1] if fast else int(choose(target, self.do_sample)), scores, raw)
                 break
-            draft_scores = drafts.scores[accepted] if drafts.scores is not None else None
-            if fast:
+            if fast:  # greedy: a draft is accepted when it is the verifier's own token; no draft scores needed
                 ok, replacement = best[accepted - 1] == drafts.tokens[accepted], best[accepted - 1]
             else:
+                draft_scores = drafts.scores[accepted] if drafts.scores is not None else None
                 ok, replacement = accept_draft(target, draft_scores, drafts.tokens[accepted], self.do_sample)
             if not ok:
                 self.emit(row, int(replacement), scores, raw)
