@@ -74,3 +74,14 @@ def test_peft_keeps_its_config_registry_and_hf_tidar_registered_the_refusal():
     from hf_tidar.adapter_format import GATED_PEFT_TYPE, GatedAdapterRefusal
 
     assert PEFT_TYPE_TO_CONFIG_MAPPING.get(GATED_PEFT_TYPE) is GatedAdapterRefusal
+
+
+def test_argparse_can_copy_the_options_hf_argument_parser_builds():
+    import argparse
+
+    from transformers import HfArgumentParser, TrainingArguments
+
+    source = HfArgumentParser(TrainingArguments, add_help=False)
+    target = argparse.ArgumentParser()
+    target._add_container_actions(source)
+    assert target.parse_args(["--output_dir", "x", "--weight-decay", "0.1"]).weight_decay == 0.1
