@@ -163,3 +163,27 @@ def test_task_tokenizer_covers_the_task_with_whole_words(tmp_path):
         assert extract_answer(tok.decode(ids)) == p.answer
     # One token per number and per symbol: "17+8=25." is six tokens.
     assert tok.convert_ids_to_tokens(tok("17+8=25.", add_special_tokens=False)["input_ids"]) == ["17", "+", "8", "=", "25", "."]
+
+
+def test_long_arithmetic_problems_have_checkable_solutions_of_at_least_128_tokens():
+    import re
+
+    from hf_tidar.cdlm.arithmetic import LONG_CHANGES, MAX_AMOUNT, task_tokenizer
+
+    tok = task_tokenizer()
+    train, test = split(100, 30, changes=LONG_CHANGES)
+    assert not {p.question for p in train} & {p.question for p in test}
+    for problem in train + test:
+        ids = tok(problem.solution, add_special_tokens=False)["input_ids"]
+        assert len(ids) >= 128 and tok.unk_token_id not in ids
+        # Every written step is true arithmetic, chained from the question's starting amount to the answer.
+        steps = re.findall(r"(\d+)([+-])(\d+)=(\d+)\.", problem.solution)
+        assert len(steps) == LONG_CHANGES
+        amount = int(re.search(r"has (\d+)", problem.question).group(1))
+        for left, sign, n, result in steps:
+            assert int(left) == amount
+            amount = amount + int(n) if sign == "+" else amount - int(n)
+            assert int(result) == amount and 0 <= amount <= MAX_AMOUNT
+        assert extract_answer(problem.solution) == problem.answer == amount
+    with pytest.raises(ValueError, match="changes"):
+        generate_problems(0, 1, changes=0)

@@ -1,6 +1,6 @@
 """A GSM8K-shaped arithmetic word-problem task whose quality a CPU can check.
 
-Problems are generated deterministically from a seed: a starting amount and two changes, a
+Problems are generated deterministically from a seed: a starting amount and two changes (by default), a
 step-by-step solution, and a final answer after ``####`` (GSM8K's convention). Train and test sets
 come from different seeds; :func:`split` also drops test problems that occur in the training set.
 
@@ -8,6 +8,10 @@ come from different seeds; :func:`split` also drops test problems that occur in 
 and symbol is one token, so a solution is 14 tokens. The model then learns copying and arithmetic on
 whole numbers, not on digits spelled byte by byte, and sequences stay short (about 35 tokens), which
 keeps a CPU teacher's training in minutes.
+
+A long variant (``changes=24``, :data:`LONG_CHANGES`) has 24 changes instead of 2: its solution is 146
+tokens (24 steps of 6 tokens, then ``#### answer``), the regime where a block KV cache pays (CDLM's paper
+decodes 256-token answers in blocks of 32). Its answers are checked the same way.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ GAINS = ("buys {n}", "gets {n}", "finds {n}")
 LOSSES = ("gives away {n}", "loses {n}", "sells {n}")
 ANSWER_PATTERN = re.compile(r"####\s*(-?\d+)")
 MAX_AMOUNT = 99
+SHORT_CHANGES = 2
+LONG_CHANGES = 24
+"""Changes per problem of the long variant: 24 steps of ``a+n=b.`` (6 tokens each) plus ``#### b``."""
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                   "mask_token": "[MASK]"}
 
@@ -35,13 +42,16 @@ class Problem:
     answer: int
 
 
-def make_problem(rng: random.Random) -> Problem:
-    """One random problem; every intermediate amount stays in 0..99."""
+def make_problem(rng: random.Random, changes: int = SHORT_CHANGES) -> Problem:
+    """One random problem with ``changes`` gains or losses; every intermediate amount stays in 0..99."""
+    if not isinstance(changes, int) or changes < 1:
+        raise ValueError(f"changes must be a positive integer, got {changes!r}.")
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     amount = rng.randint(2, 30)
     sentences, steps = [f"{name} has {amount} {item}."], []
-    for _ in range(2):
-        if amount > 1 and rng.random() < 0.5:
+    for _ in range(changes):
+        # A gain that would pass 99 becomes a loss (the vocabulary holds 0..99 only).
+        if amount > 1 and (rng.random() < 0.5 or amount + 9 > MAX_AMOUNT):
             n = rng.randint(1, min(amount, 9))
             sentences.append(f"{name} {rng.choice(LOSSES).format(n=n)}.")
             steps.append(f"{amount}-{n}={amount - n}.")
@@ -82,19 +92,20 @@ def task_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **SPECIAL_TOKENS)
 
 
-def generate_problems(seed: int, count: int) -> list[Problem]:
+def generate_problems(seed: int, count: int, changes: int = SHORT_CHANGES) -> list[Problem]:
     """``count`` problems from ``seed`` (the same seed always gives the same list)."""
     rng = random.Random(seed)
-    return [make_problem(rng) for _ in range(count)]
+    return [make_problem(rng, changes) for _ in range(count)]
 
 
-def split(train_count: int, test_count: int, train_seed: int = 0, test_seed: int = 1) -> tuple[list, list]:
+def split(train_count: int, test_count: int, train_seed: int = 0, test_seed: int = 1,
+          changes: int = SHORT_CHANGES) -> tuple[list, list]:
     """Train and held-out test problems from different seeds, no test question occurring in train."""
-    train = generate_problems(train_seed, train_count)
+    train = generate_problems(train_seed, train_count, changes)
     seen = {p.question for p in train}
     rng, test = random.Random(test_seed), []
     while len(test) < test_count:
-        problem = make_problem(rng)
+        problem = make_problem(rng, changes)
         if problem.question not in seen:
             test.append(problem)
     return train, test
