@@ -2,7 +2,8 @@
 
 Loads the teacher and student that ``examples/cdlm_arithmetic.py`` saved, and decodes each held-out
 problem with: the teacher's vanilla decoding (one token per pass, full recomputation), the teacher
-with Fast-dLLM's threshold rule, and the CDLM student (threshold rule + exact block KV cache).
+with Fast-dLLM's threshold rule (with full recomputation, and with Fast-dLLM's approximate dual cache), and
+the CDLM student (threshold rule + exact block KV cache).
 Reports answer accuracy, forward passes, tokens per pass and tokens/s (generated tokens up to and
 including EOS, divided by the wall time of ``generate``).
 
@@ -77,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     decoders = {
         "teacher, vanilla": (teacher, dict(strategy="dlm", threshold=None)),
         f"teacher, threshold {args.threshold}": (teacher, dict(strategy="dlm", threshold=args.threshold)),
+        f"teacher, threshold {args.threshold}, Fast-dLLM dual cache": (
+            teacher, dict(strategy="dlm", threshold=args.threshold, dual_cache=True)),
         f"CDLM student, threshold {args.threshold}": (student, dict(strategy="cdlm", threshold=args.threshold)),
     }
     if args.undistilled:  # ablation: what the distillation adds over the teacher's weights under the same mask

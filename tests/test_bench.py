@@ -132,7 +132,8 @@ def test_diffusion_rows_plug_in():
                          prompts=default_prompts(1)[:2], threads=1)
     results = run_benchmark(config, models, progress=False)
     rows = {r["method"]: r for r in results["results"]}
-    assert set(rows) == {"ar", "dlm-teacher-vanilla", "dlm-teacher-threshold-0.9", "cdlm-threshold-0.9"}
+    assert set(rows) == {"ar", "dlm-teacher-vanilla", "dlm-teacher-threshold-0.9", "dlm-teacher-dual-cache-0.9",
+                         "cdlm-threshold-0.9"}
     vanilla = rows["dlm-teacher-vanilla"]
     assert vanilla["tokens_per_forward"] == 1.0  # one token finalised per pass
     assert all(r["tokens_per_s"] > 0 and r["perplexity"] > 1 for r in rows.values())

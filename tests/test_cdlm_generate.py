@@ -254,3 +254,43 @@ def test_stop_strings_are_refused_rather_than_missed_inside_blocks():
     student = peaky_student()
     with pytest.raises(ValueError, match="stop string inside a block"):
         student.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=4, stop_strings=["x"], tokenizer=object())
+
+
+# -- Fast-dLLM's approximate dual cache -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type,shift", [("llama", False), ("qwen3", True)])
+def test_dual_cache_is_exact_where_the_block_cannot_see_the_suffix(model_type, shift):
+    """A block-causal model's prefix never attends to later blocks and its block never sees them, so the
+    cached prefix and suffix KV change nothing: the dual cache must equal full recomputation there."""
+    student = peaky_student(model_type, shift=shift)
+    ids, mask = left_padded_prompts(3, 7, seed=6)
+    kwargs = dict(max_new_tokens=14, threshold=0.5, return_dict_in_generate=True, output_logits=True,
+                  eos_token_id=None, strategy="dlm")
+    full = student.generate(ids, attention_mask=mask, **kwargs)
+    with pytest.warns(UserWarning, match="dual_cache"):
+        dual = student.generate(ids, attention_mask=mask, dual_cache=True, **kwargs)
+    assert torch.equal(dual.sequences, full.sequences)
+    assert dual.accepted_lengths == full.accepted_lengths
+    assert any(len(row) > 4 for row in dual.accepted_lengths), "no block took more than one pass"
+    for a, b in zip(dual.logits, full.logits, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_dual_cache_recomputes_only_the_block_after_each_blocks_first_pass():
+    student = peaky_student(scale=1.0)
+    teacher = CdlmForCausalLM.from_dlm(student, attention_mode="bidirectional").eval()
+    query_lengths = []
+    hook = teacher.model.embed_tokens.register_forward_hook(lambda m, i, o: query_lengths.append(i[0].shape[1]))
+    ids = torch.randint(1, 60, (1, 5), generator=torch.Generator().manual_seed(7))
+    with pytest.warns(UserWarning, match="dual_cache"):
+        out = teacher.generate(ids, max_new_tokens=8, strategy="dlm", dual_cache=True, block_size=4,
+                               return_dict_in_generate=True, eos_token_id=None)
+    hook.remove()
+    assert query_lengths == [13, 4, 4, 4] * 2  # the whole sequence once per block, then the block alone
+    assert out.accepted_lengths == [[1] * 8]
+    # Where every block is final after its first pass, nothing stale is ever read: equal to recomputation.
+    kwargs = dict(max_new_tokens=8, strategy="dlm", threshold=1e-9, eos_token_id=None)
+    with pytest.warns(UserWarning, match="dual_cache"):
+        dual = teacher.generate(ids, dual_cache=True, **kwargs)
+    assert torch.equal(dual, teacher.generate(ids, **kwargs))

@@ -50,6 +50,7 @@ def test_benchmark_reports_every_decoder(run, tmp_path):
     assert list(rows) == [
         "teacher, vanilla",
         "teacher, threshold 0.9",
+        "teacher, threshold 0.9, Fast-dLLM dual cache",
         "CDLM student, threshold 0.9",
         "block-causal teacher copy (no distillation), threshold 0.9",
     ]

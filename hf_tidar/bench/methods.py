@@ -105,12 +105,15 @@ def _tidar_methods(config: BenchConfig, models: Models) -> list[Method]:
 
 @register_method("diffusion")
 def _diffusion_methods(config: BenchConfig, models: Models) -> list[Method]:
-    """The diffusion rows: the teacher's vanilla and threshold decoding, and the CDLM student."""
+    """The diffusion rows: the teacher's vanilla and threshold decoding, the threshold with Fast-dLLM's
+    approximate dual cache, and the CDLM student."""
     methods = []
     if models.dlm_teacher is not None:
         methods.append(Method("dlm-teacher-vanilla", "diffusion", "dlm_teacher", {"strategy": "dlm", "threshold": None}))
         methods.append(Method(f"dlm-teacher-threshold-{config.threshold}", "diffusion", "dlm_teacher",
                               {"strategy": "dlm", "threshold": config.threshold}))
+        methods.append(Method(f"dlm-teacher-dual-cache-{config.threshold}", "diffusion", "dlm_teacher",
+                              {"strategy": "dlm", "threshold": config.threshold, "dual_cache": True}))
     if models.cdlm_student is not None:
         methods.append(Method(f"cdlm-threshold-{config.threshold}", "diffusion", "cdlm_student",
                               {"strategy": "cdlm", "threshold": config.threshold}))

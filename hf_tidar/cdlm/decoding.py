@@ -6,7 +6,12 @@ probability after the logits processors) is ``>= threshold``, and always at leas
 confident one; ``threshold=None`` finalises exactly one per pass (vanilla masked-diffusion decoding).
 A row stops after the block in which it produced EOS (its later tokens become padding).
 
-* :func:`dlm_decode` recomputes the whole sequence every pass (the teacher baselines; any attention mode).
+* :func:`dlm_decode` recomputes the whole sequence every pass (the teacher baselines; any attention mode),
+  or with ``dual_cache=True`` runs Fast-dLLM's approximate dual cache: one full pass at each block's start
+  caches the KV of everything outside the block (prefix and suffix), and the block's later passes compute
+  the block alone against it. The cached KV is stale while the block changes (in bidirectional attention
+  the prefix and suffix attend to the block), so the output can differ from full recomputation: an
+  approximation whose accuracy cost the benchmark measures.
 * :func:`cdlm_decode` is for block-causal students: a finished block never changes, so its KV is
   committed to the cache and never recomputed. The commit costs no pass of its own: the finished block's
   tokens ride along in the next block's first forward. Tokens and logits equal :func:`dlm_decode`'s on
@@ -15,14 +20,17 @@ A row stops after the block in which it produced EOS (its later tokens become pa
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
+from .._warning_stacklevel import user_stacklevel
 from ..cache import DraftCache
 from ..generation.outputs import StrategyGenerateOutput
 from ..generation.processors import refuse_stateful
+from ..masks import AttentionLayout
 
 
 class BlockDecoder:
@@ -214,6 +222,41 @@ def run_dlm(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_cr
             break
 
 
+def run_dlm_dual_cache(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_criteria=None,
+                       streamer=None) -> None:
+    """Fast-dLLM's dual-cache decoding of ``decoder``'s canvas (see the module docstring)."""
+    prompt_cols = input_ids.shape[1]
+    valid = torch.cat([attention_mask.bool(), torch.ones_like(decoder.tokens, dtype=torch.bool)], dim=1)
+    layout = model.attention_layout(valid, attention_mask.sum(-1, keepdim=True))
+    shift = int(model.config.shift_logits)
+    for start, end in decoder.blocks():
+        # The recomputed span: the block, and for shifted models the position that predicts its first token.
+        low, high = prompt_cols + start - shift, prompt_cols + end
+        if not decoder.pending(start, end):
+            continue
+        cache = DraftCache(config=model.config.get_text_config())
+        hidden = model.structured_hidden_states(torch.cat([input_ids, decoder.tokens], dim=1), layout, cache)
+        outside = torch.cat([torch.arange(low), torch.arange(high, layout.kv_len)]).to(valid.device)
+        cache.gather_tokens(outside.expand(valid.shape[0], -1))
+        block_layout = _outside_then_span(layout, outside, low, high)
+        decoder.finalise(start, end, hidden[:, low : low + end - start])
+        while decoder.pending(start, end):
+            span = torch.cat([input_ids, decoder.tokens], dim=1)[:, low:high]
+            hidden = model.structured_hidden_states(span, block_layout, cache)
+            cache.keep_first(outside.numel())
+            decoder.finalise(start, end, hidden[:, : end - start])
+        if decoder.end_block(start, end, stopping_criteria, streamer):
+            break
+
+
+def _outside_then_span(layout: AttentionLayout, outside: torch.Tensor, low: int, high: int) -> AttentionLayout:
+    """``layout``'s tokens reordered as the dual cache holds them: the cached ones (``outside``), then the
+    queries ``[low, high)``. Attention depends on positions, not on where a key sits, so only the order changes."""
+    order = torch.cat([outside, torch.arange(low, high, device=outside.device)])
+    return AttentionLayout(*(part[:, order] for part in (layout.position_ids, layout.group, layout.horizon,
+                                                          layout.valid)), query_len=high - low)
+
+
 def dlm_decode(
     model,
     input_ids: torch.LongTensor,
@@ -223,16 +266,24 @@ def dlm_decode(
     threshold: float | None = None,
     block_size: int | None = None,
     streamer=None,
+    dual_cache: bool = False,
     **model_kwargs,
 ) -> StrategyGenerateOutput | torch.LongTensor:
     """Diffusion decoding with full recomputation every pass (``generate(strategy="dlm")``).
 
     ``threshold=None``: vanilla masked diffusion, one token per pass, the most confident first (the
     baseline CDLM is measured against). A float: Fast-dLLM's confidence-threshold parallel decoding.
+    ``dual_cache=True``: Fast-dLLM's approximate dual cache (:func:`run_dlm_dual_cache`); it warns, since
+    its output can differ from full recomputation.
     """
     attention_mask, decoder, pad = _start(model, input_ids, logits_processor, generation_config, threshold,
                                           block_size, streamer, model_kwargs, "dlm")
-    run_dlm(model, input_ids, attention_mask, decoder, stopping_criteria, streamer)
+    if dual_cache:
+        warnings.warn("dual_cache=True reuses stale prefix and suffix KV inside each block (Fast-dLLM's "
+                      "approximate cache): the output can differ from full recomputation.", stacklevel=user_stacklevel())
+        run_dlm_dual_cache(model, input_ids, attention_mask, decoder, stopping_criteria, streamer)
+    else:
+        run_dlm(model, input_ids, attention_mask, decoder, stopping_criteria, streamer)
     if streamer is not None:
         streamer.end()
     return decoder.result(generation_config, pad)
