@@ -27,6 +27,8 @@
 # A second session resumed `distill` (15 of 28 shards, 1,920 rows, when it was paused) and ran `train`
 # again into a new OUT with STEPS=100 and SHIPPED set to that first result: 100 steps of 32-37 s each
 # (1 thread), exported from checkpoint-100 as the candidate adapter (its README has the bench).
+# A third session finished `distill` (28 of 28 shards, 3,500 rows) and started `train` into a new OUT with
+# STEPS=400 and SHIPPED set to the candidate adapter (1 thread, paused during timings); it resumes exactly.
 set -euo pipefail
 
 TIDAR=${TIDAR:-hf-tidar}
