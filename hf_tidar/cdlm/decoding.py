@@ -208,11 +208,16 @@ def _start(model, input_ids, logits_processor, generation_config, threshold, blo
     return attention_mask, decoder, pad
 
 
+def _sequence_layout(model, attention_mask: torch.Tensor, decoder: BlockDecoder) -> AttentionLayout:
+    """The attention layout of the whole sequence: the prompt (left-padded), then ``decoder``'s canvas."""
+    valid = torch.cat([attention_mask.bool(), torch.ones_like(decoder.tokens, dtype=torch.bool)], dim=1)
+    return model.attention_layout(valid, attention_mask.sum(-1, keepdim=True))
+
+
 def run_dlm(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_criteria=None, streamer=None) -> None:
     """Full-recomputation decoding of ``decoder``'s canvas (every pass sees the whole sequence)."""
     prompt_cols = input_ids.shape[1]
-    valid = torch.cat([attention_mask.bool(), torch.ones_like(decoder.tokens, dtype=torch.bool)], dim=1)
-    layout = model.attention_layout(valid, attention_mask.sum(-1, keepdim=True))
+    layout = _sequence_layout(model, attention_mask, decoder)
     shift = int(model.config.shift_logits)
     for start, end in decoder.blocks():
         while decoder.pending(start, end):
@@ -226,8 +231,7 @@ def run_dlm_dual_cache(model, input_ids, attention_mask, decoder: BlockDecoder, 
                        streamer=None) -> None:
     """Fast-dLLM's dual-cache decoding of ``decoder``'s canvas (see the module docstring)."""
     prompt_cols = input_ids.shape[1]
-    valid = torch.cat([attention_mask.bool(), torch.ones_like(decoder.tokens, dtype=torch.bool)], dim=1)
-    layout = model.attention_layout(valid, attention_mask.sum(-1, keepdim=True))
+    layout = _sequence_layout(model, attention_mask, decoder)
     shift = int(model.config.shift_logits)
     for start, end in decoder.blocks():
         # The recomputed span: the block, and for shifted models the position that predicts its first token.
@@ -236,8 +240,8 @@ def run_dlm_dual_cache(model, input_ids, attention_mask, decoder: BlockDecoder, 
             continue
         cache = DraftCache(config=model.config.get_text_config())
         hidden = model.structured_hidden_states(torch.cat([input_ids, decoder.tokens], dim=1), layout, cache)
-        outside = torch.cat([torch.arange(low), torch.arange(high, layout.kv_len)]).to(valid.device)
-        cache.gather_tokens(outside.expand(valid.shape[0], -1))
+        outside = torch.cat([torch.arange(low), torch.arange(high, layout.kv_len)]).to(layout.valid.device)
+        cache.gather_tokens(outside.expand(layout.batch_size, -1))
         block_layout = _outside_then_span(layout, outside, low, high)
         decoder.finalise(start, end, hidden[:, low : low + end - start])
         while decoder.pending(start, end):
