@@ -8,6 +8,9 @@ median over ``--repeats`` rounds after one warm-up:
 
 * ``ar``: transformers' greedy ``generate`` on the original checkpoint, ms per generated token, with
   stock linears and with the measured CPU path (:mod:`hf_tidar.cpu`);
+``--linears``: ``stock`` (torch's ``F.linear``), ``measured`` (:mod:`hf_tidar.cpu`, with its few-row
+kernel where it builds) or ``measured-torch`` (the measured path over torch's matmul methods only).
+
 * ``plain``: ``TidarForCausalLM.from_ar`` (no adapter: backbone, LM head and the decode loop), ms per pass;
 * ``peft`` / ``lean``: the same plus the shipped gated adapter, under PEFT or in its lean inference form.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import platform
 import statistics
 import time
@@ -34,7 +38,24 @@ from hf_tidar.training.gated_lora import load_tidar_adapter
 PROMPT = "import os\n\n\ndef walk(folder):\n    \"\"\"Yield every file under folder.\"\"\"\n"
 
 
-def build(dtype: torch.dtype, linears: list[str], draft_lengths: list[int], new_tokens: int):
+def enable_path(model: torch.nn.Module, path: str) -> None:
+    """Put ``model`` on linear path ``path``: ``stock``, ``measured`` (with the few-row kernel where it
+    builds) or ``measured-torch`` (torch's matmul methods only)."""
+    if path == "stock":
+        return
+    before = os.environ.get("HF_TIDAR_CPU_KERNEL")
+    os.environ["HF_TIDAR_CPU_KERNEL"] = "0" if path == "measured-torch" else "1"
+    try:
+        cpu.enable(model)
+    finally:
+        if before is None:
+            del os.environ["HF_TIDAR_CPU_KERNEL"]
+        else:
+            os.environ["HF_TIDAR_CPU_KERNEL"] = before
+
+
+def build(dtype: torch.dtype, linears: list[str], draft_lengths: list[int], new_tokens: int,
+          adapters: list[str]):
     """``{(linears, what, k): run}``, each ``run() -> units`` (tokens for AR, passes for TiDAR)."""
     ar, tokenizer = load_smollm2(quiet=True)
     prompt = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
@@ -43,15 +64,14 @@ def build(dtype: torch.dtype, linears: list[str], draft_lengths: list[int], new_
     runs = {}
     for path in linears:
         ar_model = copy.deepcopy(ar).eval().to(dtype)
-        models = {
-            "plain": TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=copy.deepcopy(tokenizer)).eval(),
-            "peft": load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer)),
-            "lean": load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True),
+        makers = {
+            "plain": lambda: TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=copy.deepcopy(tokenizer)).eval(),
+            "peft": lambda: load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer)),
+            "lean": lambda: load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True),
         }
-        models = {name: model.to(dtype) for name, model in models.items()}
-        if path == "measured":
-            for model in (ar_model, *models.values()):
-                cpu.enable(model)
+        models = {name: makers[name]().to(dtype) for name in adapters}
+        for model in (ar_model, *models.values()):
+            enable_path(model, path)
         runs[(path, "ar step", 0)] = lambda m=ar_model: m.generate(prompt, **settings).shape[1] - prompt.shape[1]
         for k in draft_lengths:
             for name, model in models.items():
@@ -80,7 +100,10 @@ def measure(runs: dict, repeats: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--linears", nargs="+", default=["stock", "measured"], choices=["stock", "measured"])
+    parser.add_argument("--linears", nargs="+", default=["stock", "measured"],
+                        choices=["stock", "measured", "measured-torch"],
+                        help="measured: the measured path with the few-row kernel; measured-torch: without it")
+    parser.add_argument("--adapters", nargs="+", default=["plain", "peft", "lean"], choices=["plain", "peft", "lean"])
     parser.add_argument("--draft-lengths", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -92,7 +115,8 @@ def main() -> None:
     print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.dtype}; median of {args.repeats} interleaved rounds, "
           f"{args.max_new_tokens} new tokens")
-    ms = measure(build(getattr(torch, args.dtype), args.linears, args.draft_lengths, args.max_new_tokens),
+    ms = measure(build(getattr(torch, args.dtype), args.linears, args.draft_lengths, args.max_new_tokens,
+                     args.adapters),
                  args.repeats)
     stock_ar = ms.get(("stock", "ar step", 0))
     print("\n| linears | what | k | ms | x AR step, same linears | x stock AR step | perfect drafts: at most |")

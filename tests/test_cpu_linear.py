@@ -1,5 +1,7 @@
 """The measured CPU linear path: same products as F.linear by every method, and the plan it picks."""
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -7,7 +9,13 @@ from toy import tiny_ar_model, train_counting_tidar
 
 from hf_tidar import cpu
 from hf_tidar.cpu import linear as measured
+from hf_tidar.cpu.kernel import REQUIRED_FLAGS, cpu_flags, few_row_kernel
 from hf_tidar.cpu.linear import Choice, MeasuredLinear, best_choices, methods_for
+
+needs_kernel = pytest.mark.skipif(
+    not REQUIRED_FLAGS <= cpu_flags() or shutil.which("c++") is None,
+    reason="the few-row kernel needs an AVX2 + FMA CPU and a C++ compiler",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -20,11 +28,13 @@ def small_profiles(tmp_path, monkeypatch):
 def _with_plan(linear: torch.nn.Linear, choice: Choice) -> torch.nn.Linear:
     linear.__class__ = MeasuredLinear
     linear.choices = [choice] * measured.MAX_ROWS
+    linear.plan_dtype = linear.weight.dtype
+    linear.few_row_op = few_row_kernel() if choice.method == "few_rows" else None
     linear._packed, linear._packed_version = None, -1
     return linear
 
 
-@pytest.mark.parametrize("method", ["linear", "w_xt", "onednn"])
+@pytest.mark.parametrize("method", ["linear", "w_xt", "onednn", pytest.param("few_rows", marks=needs_kernel)])
 @pytest.mark.parametrize("rows", [1, 3, 7])
 @pytest.mark.parametrize("bias", [False, True])
 def test_every_method_computes_the_linear(method, rows, bias):
@@ -38,6 +48,54 @@ def test_every_method_computes_the_linear(method, rows, bias):
         expected = reference(x)
     assert out.shape == expected.shape and out.is_contiguous()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("in_features", [8, 13, 577])
+@pytest.mark.parametrize("out_features", [1, 2, 3, 7, 50])
+def test_few_row_kernel_is_a_linear_plus_a_low_rank_tail(in_features, out_features):
+    kernel = few_row_kernel()
+    assert kernel is not None, "the kernel should build on this machine (AVX2, FMA and a compiler are here)"
+    torch.manual_seed(out_features)
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    lora_a, lora_b = torch.randn(5, in_features), torch.randn(out_features, 5)
+    for rows in (1, 2, 3, 4, 5, 9, 13, 33):
+        x = torch.randn(rows, in_features)
+        torch.testing.assert_close(kernel(x, weight, None, None, None, 0), x @ weight.t(), rtol=1e-5, atol=1e-4)
+        for tail in (0, rows - 1, rows):
+            expected = F.linear(x, weight, bias)
+            expected[tail:] += x[tail:] @ lora_a.t() @ lora_b.t()
+            out = kernel(x, weight, bias, lora_a, lora_b.t().contiguous(), tail)
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_few_row_kernel_gives_a_row_the_same_bits_whatever_the_row_count():
+    # What makes a many-row verification pass agree with one-row AR steps on this path.
+    kernel = few_row_kernel()
+    torch.manual_seed(0)
+    weight, x = torch.randn(37, 301), torch.randn(11, 301)
+    together = kernel(x, weight, None, None, None, 11)
+    for i in range(11):
+        assert torch.equal(together[i], kernel(x[i : i + 1], weight, None, None, None, 1)[0])
+    assert torch.equal(together[3:7], kernel(x[3:7].contiguous(), weight, None, None, None, 4))
+
+
+@needs_kernel
+def test_few_row_kernel_refuses_what_it_cannot_multiply():
+    kernel = few_row_kernel()
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), None, None, None, 2)
+    with pytest.raises(RuntimeError, match=r"\[M, K\]"):
+        kernel(torch.randn(2, 8), torch.randn(4, 9), None, None, None, 2)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernel(torch.randn(8, 2).t(), torch.randn(4, 8), None, None, None, 2)
+
+
+def test_kernel_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("HF_TIDAR_CPU_KERNEL", "0")
+    assert few_row_kernel() is None
+    assert "few_rows" not in methods_for(torch.float32)
 
 
 def test_grad_mode_and_big_inputs_take_the_stock_path():

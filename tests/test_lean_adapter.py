@@ -6,7 +6,9 @@ from toy import counting_batch, tiny_ar_model
 
 from hf_tidar import cpu
 from hf_tidar.adapters import TailLoraLinear, is_lean, to_lean
+from hf_tidar.adapters import lean as lean_module
 from hf_tidar.cpu import linear as cpu_linear
+from hf_tidar.cpu.kernel import few_row_kernel
 from hf_tidar.masks import tidar_training_layout
 from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
 
@@ -55,6 +57,37 @@ def test_mask_rows_match_peft_and_clean_rows_are_the_base_models(dtype):
     gap = (got[:, masks].float() - want[:, masks].float()).norm()
     effect = (want[:, masks].float() - clean[:, masks].float()).norm()
     assert gap < 0.05 * effect
+
+
+@pytest.mark.skipif(few_row_kernel() is None, reason="the few-row kernel needs an AVX2 + FMA CPU and a compiler")
+def test_on_the_kernel_the_update_is_fused_and_clean_rows_stay_the_base_models(tmp_path, monkeypatch):
+    peft, lean, base = _gated_pair(torch.float32)
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "COLD_BYTES", 1 << 16)
+    for model in (lean, base):  # every product on the kernel, whatever the profile measured
+        cpu.enable(model)
+        for module in model.modules():
+            if getattr(module, "choices", None):
+                module.choices = [cpu_linear.Choice("few_rows", n + 1) for n in range(len(module.choices))]
+    fused = []
+    original = cpu_linear.few_rows_lora_forward
+
+    def spy(*args):
+        out = original(*args)
+        fused.append(out is not None)
+        return out
+
+    monkeypatch.setattr(lean_module, "few_rows_lora_forward", spy)
+    ids = counting_batch(1, 10, VOCAB, torch.Generator().manual_seed(1))
+    x = _doubled(ids, lean.config.mask_token_id)
+    layout = tidar_training_layout(torch.ones_like(ids), BLOCK)
+    with torch.no_grad():
+        want = peft.base_model.model.structured_hidden_states(x, layout)
+        got = lean.structured_hidden_states(x, layout)
+        clean = base.structured_hidden_states(x, layout)
+    assert fused and all(fused)
+    assert torch.equal(got[:, :10], clean[:, :10])  # bit for bit
+    torch.testing.assert_close(got[:, 10:], want[:, 10:], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("draft_length,groups", [(4, None), (3, [1]), (2, None), (4, [1, 3])])

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..assets import cache_root
+from .kernel import build_key, few_row_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -45,21 +46,27 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)
 
 
-METHODS = ("linear", "w_xt", "onednn")
+METHODS = ("linear", "w_xt", "onednn", "few_rows")
 """``linear``: ``F.linear(x, W)``; ``w_xt``: ``(W @ xᵀ)ᵀ``; ``onednn``: oneDNN's linear on a copy of ``W``
-packed for it once (what torch.compile's CPU backend uses for frozen linears)."""
+packed for it once (what torch.compile's CPU backend uses for frozen linears); ``few_rows``: this
+package's AVX2 kernel (:mod:`hf_tidar.cpu.kernel`), which streams ``W`` once for all rows and gives
+each row the same result whatever the row count."""
 
 
 def methods_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The methods that can run ``dtype`` here (oneDNN's packed linear takes float32 and bfloat16)."""
+    """The methods that can run ``dtype`` here (oneDNN's packed linear takes float32 and bfloat16, the
+    few-row kernel float32 where it builds)."""
+    methods = ["linear", "w_xt"]
     if dtype in (torch.float32, torch.bfloat16) and _onednn_available():
-        return METHODS
-    return METHODS[:2]
+        methods.append("onednn")
+    if dtype == torch.float32 and few_row_kernel() is not None:
+        methods.append("few_rows")
+    return tuple(methods)
 
 ONEDNN_PACK_ROWS = 16
 """The row count oneDNN packs the weight for (one packing serves every row count)."""
 
-PROFILE_VERSION = 3
+PROFILE_VERSION = 4
 
 SWITCH_MARGIN = 0.15
 """Another method replaces ``F.linear`` at a row count only when it measured at least this much faster."""
@@ -89,6 +96,8 @@ def _run(method: str, weight: torch.Tensor, packed: torch.Tensor | None, x: torc
     if method == "w_xt":
         out = torch.mm(weight, x.t()).t()
         return out if bias is None else out + bias
+    if method == "few_rows":
+        return few_row_kernel()(x.contiguous(), weight, bias, None, None, x.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -177,7 +186,8 @@ def machine_key() -> str:
                     break
     except OSError:
         pass
-    text = f"v{PROFILE_VERSION}|{cpu}|{flags}|{torch.__version__}|{torch.get_num_threads()}"
+    kernel = build_key() if few_row_kernel() is not None else "no-kernel"
+    text = f"v{PROFILE_VERSION}|{cpu}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}"
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -209,27 +219,57 @@ def choices_for(out_features: int, in_features: int, dtype: torch.dtype, remeasu
 # -- the module -----------------------------------------------------------------------------------
 
 
+def _measured_rows(module: nn.Linear, x: torch.Tensor) -> int:
+    """``x``'s row count if the plan covers it here (inference, a CPU tensor of the weight's dtype), else 0."""
+    choices = module.__dict__.get("choices")
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if not choices or rows > len(choices) or torch.is_grad_enabled() or x.device.type != "cpu" or \
+            x.dtype != module.weight.dtype or module.weight.dtype != module.__dict__.get("plan_dtype"):
+        return 0  # (a model cast to another dtype after enable() keeps a plan measured for the old one)
+    return rows
+
+
 def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module``'s product by its measured path when :func:`enable` gave it one, else ``F.linear``.
 
     Plain ``F.linear`` whenever autograd records, the input is not a CPU tensor of the weight's dtype,
     or the row count is beyond the plan (prefills, training batches).
     """
-    choices = getattr(module, "choices", None)
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not choices or not 0 < rows <= len(choices) or torch.is_grad_enabled() or x.device.type != "cpu" or \
-            x.dtype != module.weight.dtype:
+    rows = _measured_rows(module, x)
+    if not rows:
         return F.linear(x, module.weight, module.bias)
-    choice = choices[rows - 1]
+    choice = module.choices[rows - 1]
     if choice.method == "linear":
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
+    if choice.method == "few_rows":  # the kernel takes any row count as it is and returns a contiguous result
+        out = module.few_row_op(flat.contiguous(), module.weight, module.bias, None, None, rows)
+        return out.view(*x.shape[:-1], module.out_features)
     if choice.padded_rows > rows:
         flat = F.pad(flat, (0, 0, 0, choice.padded_rows - rows))
     packed = _packed_weight(module) if choice.method == "onednn" else None
     out = _run(choice.method, module.weight, packed, flat, module.bias)[:rows]
     # Callers .view() the result (attention splits heads): it must be contiguous.
     return out.contiguous().reshape(*x.shape[:-1], module.out_features)
+
+
+def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor,
+                          tail_start: int) -> torch.Tensor | None:
+    """``module(x)`` plus ``x @ lora_aᵀ @ lora_bt`` on the rows from ``tail_start`` on, in one kernel call.
+
+    For one sequence (``x`` is ``[1, T, K]`` or ``[T, K]``) on the measured path where the few-row kernel
+    runs; ``None`` otherwise (the caller adds the update itself). The kernel is used here whatever the
+    plan says for the bare product: fused, the update costs almost nothing, where as separate small
+    products it costs more than the product itself. Rows before the tail are the base product on the
+    kernel, which gives a row the same bits whatever the row count.
+    """
+    kernel = module.__dict__.get("few_row_op")
+    rows = _measured_rows(module, x) if kernel is not None else 0
+    if not rows or rows != x.shape[-2]:
+        return None
+    out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), module.weight, module.bias, lora_a, lora_bt,
+                 tail_start)
+    return out.view(*x.shape[:-1], module.out_features)
 
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:
@@ -269,6 +309,8 @@ def enable(model: nn.Module, remeasure: bool = False) -> nn.Module:
         if not isinstance(module, MeasuredLinear) and not getattr(type(module), "uses_linear_forward", False):
             module.__class__ = MeasuredLinear
         module.choices = plans[key]
+        module.few_row_op = few_row_kernel() if key[2] == torch.float32 else None
+        module.plan_dtype = key[2]
         module._packed = None
         module._packed_version = -1
     return model
@@ -279,7 +321,7 @@ def disable(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear
-        for name in ("choices", "_packed", "_packed_version"):
+        for name in ("choices", "few_row_op", "plan_dtype", "_packed", "_packed_version"):
             module.__dict__.pop(name, None)
     return model
 
