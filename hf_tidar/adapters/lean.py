@@ -75,7 +75,6 @@ class TailLoraLinear(nn.Linear):
     uses_linear_forward = True  # hf_tidar.cpu.enable keeps this class and gives it a measured path
     lora_a: torch.Tensor
     lora_b: torch.Tensor
-    lora_bt: torch.Tensor  # (scale·B)ᵀ, contiguous: the layout the few-row kernel adds the update from
     tail: MaskTail
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +86,7 @@ class TailLoraLinear(nn.Linear):
             update = F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
             return torch.cat([out[..., :start, :], out[..., start:, :] + update], dim=-2)
         if x.dim() == 3 and x.shape[0] == 1:  # one sequence: 2-D products, the update added in place by addmm_
-            fused = few_rows_lora_forward(self, x, self.lora_a, self.lora_bt, start)
+            fused = few_rows_lora_forward(self, x, self.lora_a, self.lora_b, start)
             if fused is not None:  # the measured path's kernel did base product and update in one call
                 return fused
             out = linear_forward(self, x)
@@ -181,7 +180,6 @@ def install_lean(tidar, linears: dict[str, tuple[torch.Tensor, torch.Tensor]],
         # Buffers, not persistent: they follow .to(dtype / device) and stay out of the state dict.
         module.register_buffer("lora_a", a.to(module.weight), persistent=False)
         module.register_buffer("lora_b", b.to(module.weight), persistent=False)
-        module.register_buffer("lora_bt", module.lora_b.t().contiguous(), persistent=False)
         module.tail = tail
     for name, vector in embeddings.items():
         module = tidar.get_submodule(name)

@@ -57,8 +57,9 @@ def _unavailable_reason() -> str | None:
 def few_row_kernel() -> Callable[..., torch.Tensor] | None:
     """``torch.ops.hf_tidar_cpu.few_row_linear``, built on first use; ``None`` where it cannot run here.
 
-    Signature: ``(x [M, K], weight [N, K], bias [N] | None, lora_a [R, K] | None, lora_bt [R, N] | None,
-    tail_start) -> [M, N]``, all contiguous float32 CPU tensors.
+    Signature: ``(x [M, K], weight [N, K], bias [N] | None, lora_a [R, K] | None, lora_b [N, R] | None,
+    tail_start) -> [M, N]``, all contiguous float32 CPU tensors; rows from ``tail_start`` on get
+    ``x @ lora_aᵀ @ lora_bᵀ`` added.
     """
     reason = _unavailable_reason()
     if reason is not None:

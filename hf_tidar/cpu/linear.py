@@ -253,9 +253,9 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.contiguous().reshape(*x.shape[:-1], module.out_features)
 
 
-def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, lora_a: torch.Tensor, lora_bt: torch.Tensor,
+def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                           tail_start: int) -> torch.Tensor | None:
-    """``module(x)`` plus ``x @ lora_aᵀ @ lora_bt`` on the rows from ``tail_start`` on, in one kernel call.
+    """``module(x)`` plus ``x @ lora_aᵀ @ lora_bᵀ`` on the rows from ``tail_start`` on, in one kernel call.
 
     For one sequence (``x`` is ``[1, T, K]`` or ``[T, K]``) on the measured path where the few-row kernel
     runs; ``None`` otherwise (the caller adds the update itself). The kernel is used here whatever the
@@ -267,14 +267,17 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, lora_a: torch.Tens
     rows = _measured_rows(module, x) if kernel is not None else 0
     if not rows or rows != x.shape[-2]:
         return None
-    out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), module.weight, module.bias, lora_a, lora_bt,
+    out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), module.weight, module.bias, lora_a, lora_b,
                  tail_start)
     return out.view(*x.shape[:-1], module.out_features)
 
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:
     # Re-packed if the weight was changed in place since (its version counter moved).
-    version = module.weight._version
+    try:
+        version = module.weight._version
+    except RuntimeError:  # an inference tensor (made under torch.inference_mode) keeps no version counter
+        version = 0
     if getattr(module, "_packed", None) is None or module._packed_version != version:
         module._packed = pack_for_onednn(module.weight)
         module._packed_version = version
