@@ -48,6 +48,8 @@ def main() -> None:
     parser.add_argument("--draft-lengths", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--linears", choices=["measured", "stock"], default="measured",
+                        help="the measured CPU path (with its few-row kernel where it builds) or torch's F.linear")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -56,8 +58,9 @@ def main() -> None:
         "no adapter": TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=copy.deepcopy(tokenizer)).eval(),
         "lean adapter": load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True),
     }
-    for model in models.values():
-        cpu.enable(model)
+    if args.linears == "measured":
+        for model in models.values():
+            cpu.enable(model)
     mask_id = models["lean adapter"].require_mask_token_id()
     prefix = torch.randint(100, 20000, (1, PREFIX), generator=torch.Generator().manual_seed(0))
     caches = {}
@@ -66,7 +69,7 @@ def main() -> None:
         model(input_ids=prefix, cache=caches[name], use_cache=True, logits_to_keep=1)
     flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in open("/proc/cpuinfo").read().split()]
     print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; float32, measured linears; a {PREFIX}-token cache; median of "
+          f"{torch.get_num_threads()} threads; float32, {args.linears} linears; a {PREFIX}-token cache; median of "
           f"{args.repeats} alternating calls")
     print("\n| k | query rows (clean + [MASK]) | AR step ms | no adapter ms | lean adapter ms | adapter adds |"
           " pass / AR step |")

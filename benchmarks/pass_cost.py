@@ -55,7 +55,7 @@ def enable_path(model: torch.nn.Module, path: str) -> None:
 
 
 def build(dtype: torch.dtype, linears: list[str], draft_lengths: list[int], new_tokens: int,
-          adapters: list[str]):
+          adapters: tuple[str, ...] = ("plain", "peft", "lean")):
     """``{(linears, what, k): run}``, each ``run() -> units`` (tokens for AR, passes for TiDAR)."""
     ar, tokenizer = load_smollm2(quiet=True)
     prompt = tokenizer(PROMPT, return_tensors="pt")["input_ids"]

@@ -85,3 +85,19 @@ def test_pass_cost_benchmark_times_every_row():
     assert list(ms) == [("stock", "ar step", 0), ("stock", "tidar pass, plain", 2), ("stock", "tidar pass, peft", 2),
                         ("stock", "tidar pass, lean", 2)]
     assert all(value > 0 for value in ms.values())
+
+
+def test_adapter_cost_benchmark_prints_a_row_per_draft_length(monkeypatch, capsys):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "benchmarks" / "adapter_cost.py"
+    spec = importlib.util.spec_from_file_location("adapter_cost", path)
+    adapter_cost = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(adapter_cost)
+    argv = ["adapter_cost.py", "--draft-lengths", "2", "3", "--repeats", "1", "--linears", "stock"]
+    monkeypatch.setattr(sys, "argv", argv)
+    adapter_cost.main()
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("| 2 |", "| 3 |"))]
+    assert [row.split("|")[2].strip() for row in rows] == ["2 + 4", "3 + 9"]
