@@ -22,6 +22,8 @@ from hf_tidar.bench import (
     tiny_ar_model,
 )
 from hf_tidar.bench.cli import bench_config, command_line
+from hf_tidar.bench.report import rows_table
+from hf_tidar.bench.scores import draft_acceptance
 from hf_tidar.cli import build_parser, main
 from hf_tidar.hub import benchmark_section
 from hf_tidar.training.corpus import DEFAULT_HELD_OUT_FRACTION, document_is_held_out, stdlib_document_name
@@ -77,19 +79,29 @@ def test_quick_bench_writes_every_field_with_sane_values(tmp_path, capsys):
         if row["family"] == "tidar" and row["batch_size"] == 1:
             # The hook's count agrees with the strategy's own: one histogram entry per pass after prefill.
             assert sum(row["accepted_length_histogram"]) == row["row_forwards"] - row["prompts"]
+            assert row["draft_acceptance"] == draft_acceptance(row["accepted_length_histogram"])
         if not row["do_sample"] and row["batch_size"] == 1:
             assert row["identical_rate"] == 1.0  # greedy TiDAR and prompt lookup are exact
     assert {(s["method"], s["batch_size"]) for s in results["skipped"]} == {("prompt-lookup-4", 2)}
     machine = results["machine"]
     assert machine["cpu"] and machine["torch"] == torch.__version__ and machine["torch_threads"] == 1
     assert set(results["cost_curve"]) and all(t > 0 for t in results["cost_curve"].values())
-    for name in ("speedup_plot", "cost_plot", "histogram_plot", "markdown"):
+    for name in ("speedup_plot", "cost_plot", "histogram_plot", "draft_acceptance_plot", "markdown"):
         assert Path(results["files"][name]).stat().st_size > 0
     assert "| method |" in (tmp_path / "out" / "tables.md").read_text()
     assert "tokens_per_forward" in benchmark_section(str(tmp_path / "out" / "results.json"))  # hf-tidar card input
     # Re-rendering the saved JSON gives the same tables (how BENCHMARKS.md's plots are redrawn without a rerun).
     assert main(["bench", "--from-json", str(tmp_path / "out" / "results.json"), "--markdown"]) == 0
     assert capsys.readouterr().out.strip() == (tmp_path / "out" / "tables.md").read_text().strip()
+
+
+def test_draft_acceptance_is_conditional_on_the_earlier_drafts():
+    # 10 passes: 4 committed 1 token (draft 1 rejected), 3 committed 2, 2 committed 3, 1 committed all 4.
+    assert draft_acceptance([0, 4, 3, 2, 1]) == [0.6, 0.5, 0.3333]
+    assert draft_acceptance([0, 5, 0, 0]) == [0.0]  # draft 2 and 3 never reached: left out
+    assert draft_acceptance(None) is None and draft_acceptance([0, 3]) is None  # k = 1 has no drafts
+    header, cells = rows_table({"results": [{"method": "tidar-k4", "draft_acceptance": [0.6, 0.5, 0.3333]}]})
+    assert cells[0][header.index("drafts 1 / 2 / ... accepted (given the earlier)")] == "0.60 / 0.50 / 0.33"
 
 
 def _ar(results: dict, row: dict) -> dict:

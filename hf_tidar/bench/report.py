@@ -15,6 +15,7 @@ COLUMNS = (
     ("latency_s", "latency/request (s)", "{:.2f}"),
     ("peak_memory_mb", "peak mem (MiB)", "{:.0f}"),
     ("identical_rate", "identical to AR", "{:.0%}"),
+    ("draft_acceptance", "drafts 1 / 2 / ... accepted (given the earlier)", None),
     ("perplexity", "perplexity", "{:.2f}"),
     ("accuracy", "accuracy", "{:.0%}"),
 )
@@ -24,6 +25,8 @@ def _cell(row: dict, key: str, fmt: str | None) -> str:
     value = row.get(key)
     if key == "do_sample":
         return "sample" if value else "greedy"
+    if key == "draft_acceptance":
+        return "-" if not value else " / ".join(f"{rate:.2f}" for rate in value)
     return "-" if value is None else fmt.format(value)
 
 
@@ -190,6 +193,25 @@ def plot_histogram(results: dict, path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_draft_acceptance(results: dict, path: Path) -> Path | None:
+    """Per draft slot, the rate at which it was accepted given the earlier ones (TiDAR rows, batch 1, greedy)."""
+    rows = [r for r in results["results"] if r.get("draft_acceptance") and r["batch_size"] == 1
+            and not r["do_sample"]]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        rates = r["draft_acceptance"]
+        ax.plot(range(1, len(rates) + 1), rates, marker="o", label=r["method"])
+    ax.set_xlabel("draft slot (1 = the first token after the verifier's own)")
+    ax.set_ylabel("accepted, given the earlier drafts were")
+    ax.set_ylim(0, 1)
+    ax.set_title("Per-slot draft acceptance (batch 1, greedy)")
+    ax.legend(fontsize=7)
+    return _save(fig, path)
+
+
 def _save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -210,6 +232,7 @@ def write_outputs(results: dict, output: Path, command: str | None = None) -> di
         "speedup_plot": plot_speedup(results, output / "speedup_vs_draft_length.png"),
         "cost_plot": plot_cost_curve(results.get("cost_curve") or {}, output / "cost_curve.png"),
         "histogram_plot": plot_histogram(results, output / "accepted_length_histogram.png"),
+        "draft_acceptance_plot": plot_draft_acceptance(results, output / "draft_acceptance.png"),
     }
     written.update({k: v for k, v in plots.items() if v is not None})
     return {k: str(v) for k, v in written.items()}

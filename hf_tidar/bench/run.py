@@ -19,7 +19,7 @@ from .measure import ForwardCounter, PeakMemory, machine_description
 from .methods import Method, build_methods
 from .models import Models, backbone, load_models
 from .prompts import Prompt, encode
-from .scores import accuracy, identical_rate, perplexity, tokens_per_forward
+from .scores import accuracy, draft_acceptance, identical_rate, perplexity, tokens_per_forward
 
 
 @dataclass
@@ -47,6 +47,7 @@ class RunResult:
     accuracy: float | None
     speedup: float | None = None
     accepted_length_histogram: list[int] | None = None
+    draft_acceptance: list[float] | None = None  # draft r accepted, given drafts 1 .. r-1 were
     outputs: list[list[int]] = field(default_factory=list, repr=False)
 
 
@@ -130,7 +131,8 @@ class MethodRun:
             memory_method=first["memory_method"], identical_rate=identical_rate(self.outputs, reference),
             perplexity=perplexity(self.models.baseline, self.encoded, self.outputs),
             accuracy=accuracy(self.models.tokenizer, self.outputs, prompts),
-            accepted_length_histogram=self.histogram or None, outputs=self.outputs,
+            accepted_length_histogram=self.histogram or None, draft_acceptance=draft_acceptance(self.histogram),
+            outputs=self.outputs,
         )
 
 

@@ -38,6 +38,20 @@ def tokens_per_forward(tokens: int, row_forwards: int) -> float:
     return _metric("tokens_per_pass").compute(tokens=[tokens], passes=[max(row_forwards, 1)])["tokens_per_pass"]
 
 
+def draft_acceptance(histogram: list[int] | None) -> list[float] | None:
+    """Per draft slot, how often draft ``r`` was accepted in the passes that accepted drafts ``1 .. r-1``.
+
+    ``histogram[n]`` counts the passes that committed ``n`` tokens: the verifier's own token and ``n - 1``
+    drafts. Draft ``r`` is reached by the passes with ``n >= r`` and accepted by those with ``n >= r + 1``.
+    Slots that no pass reached are left out.
+    """
+    if not histogram:
+        return None
+    reached = [sum(histogram[n:]) for n in range(len(histogram))]
+    rates = [reached[r + 1] / reached[r] for r in range(1, len(histogram) - 1) if reached[r]]
+    return [round(rate, 4) for rate in rates] or None
+
+
 def identical_rate(outputs: list[list[int]], reference: list[list[int]]) -> float:
     """Fraction of prompts whose generated tokens equal the reference's (AR greedy at batch 1)."""
     return _metric("identical_rate").compute(predictions=outputs, references=reference)["identical_rate"]
