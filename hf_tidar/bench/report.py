@@ -172,10 +172,14 @@ def plot_cost_curve(costs: dict[str, float], path: Path, title: str = "Forward l
     return _save(fig, path)
 
 
+def _greedy_batch1_rows(results: dict, key: str) -> list[dict]:
+    """The result rows at batch 1, greedy, that have a value for ``key``."""
+    return [r for r in results["results"] if r.get(key) and r["batch_size"] == 1 and not r["do_sample"]]
+
+
 def plot_histogram(results: dict, path: Path) -> Path | None:
     """Tokens committed per forward pass, per TiDAR row at batch 1 greedy (fractions of passes)."""
-    rows = [r for r in results["results"] if r.get("accepted_length_histogram") and r["batch_size"] == 1
-            and not r["do_sample"]]
+    rows = _greedy_batch1_rows(results, "accepted_length_histogram")
     if not rows:
         return None
     plt = _pyplot()
@@ -195,8 +199,7 @@ def plot_histogram(results: dict, path: Path) -> Path | None:
 
 def plot_draft_acceptance(results: dict, path: Path) -> Path | None:
     """Per draft slot, the rate at which it was accepted given the earlier ones (TiDAR rows, batch 1, greedy)."""
-    rows = [r for r in results["results"] if r.get("draft_acceptance") and r["batch_size"] == 1
-            and not r["do_sample"]]
+    rows = _greedy_batch1_rows(results, "draft_acceptance")
     if not rows:
         return None
     plt = _pyplot()
