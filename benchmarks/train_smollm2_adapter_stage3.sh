@@ -29,6 +29,8 @@
 # (1 thread), exported from checkpoint-100 as the candidate adapter (its README has the bench).
 # A third session finished `distill` (28 of 28 shards, 3,500 rows) and started `train` into a new OUT with
 # STEPS=400 and SHIPPED set to the candidate adapter (1 thread, paused during timings); it resumes exactly.
+# A fourth session resumed it from checkpoint-60 with STEPS=200 (the cosine schedule continues on the
+# shorter plan), so that it can finish within two sessions.
 set -euo pipefail
 
 TIDAR=${TIDAR:-hf-tidar}
