@@ -98,7 +98,8 @@ def test_quick_bench_writes_every_field_with_sane_values(tmp_path, capsys):
 def test_draft_acceptance_is_conditional_on_the_earlier_drafts():
     # 10 passes: 4 committed 1 token (draft 1 rejected), 3 committed 2, 2 committed 3, 1 committed all 4.
     assert draft_acceptance([0, 4, 3, 2, 1]) == [0.6, 0.5, 0.3333]
-    assert draft_acceptance([0, 5, 0, 0]) == [0.0]  # draft 2 and 3 never reached: left out
+    assert draft_acceptance([0, 5, 2, 0, 0]) == [0.2857]  # no pass went beyond draft 1: the rest left out
+    assert draft_acceptance([0, 5, 0, 0]) is None
     assert draft_acceptance(None) is None and draft_acceptance([0, 3]) is None  # k = 1 has no drafts
     header, cells = rows_table({"results": [{"method": "tidar-k4", "draft_acceptance": [0.6, 0.5, 0.3333]}]})
     assert cells[0][header.index("drafts 1 / 2 / ... accepted (given the earlier)")] == "0.60 / 0.50 / 0.33"

@@ -43,8 +43,10 @@ def draft_acceptance(histogram: list[int] | None) -> list[float] | None:
 
     ``histogram[n]`` counts the passes that committed ``n`` tokens: the verifier's own token and ``n - 1``
     drafts. Draft ``r`` is reached by the passes with ``n >= r`` and accepted by those with ``n >= r + 1``.
-    Slots that no pass reached are left out.
+    Slots beyond the longest pass are left out (a histogram may be wider than the layout's draft length).
     """
+    while histogram and histogram[-1] == 0:
+        histogram = histogram[:-1]
     if not histogram:
         return None
     reached = [sum(histogram[n:]) for n in range(len(histogram))]
