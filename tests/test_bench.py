@@ -79,7 +79,7 @@ def test_quick_bench_writes_every_field_with_sane_values(tmp_path, capsys):
         if row["family"] == "tidar" and row["batch_size"] == 1:
             # The hook's count agrees with the strategy's own: one histogram entry per pass after prefill.
             assert sum(row["accepted_length_histogram"]) == row["row_forwards"] - row["prompts"]
-            assert row["draft_acceptance"] == draft_acceptance(row["accepted_length_histogram"])
+            assert row["draft_acceptance"] == draft_acceptance(row["accepted_length_histogram"], row["draft_length"])
         if not row["do_sample"] and row["batch_size"] == 1:
             assert row["identical_rate"] == 1.0  # greedy TiDAR and prompt lookup are exact
     assert {(s["method"], s["batch_size"]) for s in results["skipped"]} == {("prompt-lookup-4", 2)}
@@ -99,7 +99,8 @@ def test_draft_acceptance_is_conditional_on_the_earlier_drafts():
     # 10 passes: 4 committed 1 token (draft 1 rejected), 3 committed 2, 2 committed 3, 1 committed all 4.
     assert draft_acceptance([0, 4, 3, 2, 1]) == [0.6, 0.5, 0.3333]
     assert draft_acceptance([0, 5, 2, 0, 0]) == [0.2857]  # no pass went beyond draft 1: the rest left out
-    assert draft_acceptance([0, 5, 0, 0]) is None
+    assert draft_acceptance([0, 5, 2, 0, 0], draft_length=4) == [0.2857, 0.0]  # draft 2 was reached, never taken
+    assert draft_acceptance([0, 5, 0, 0, 0], draft_length=4) == [0.0]  # drafts that are never right show as 0
     assert draft_acceptance(None) is None and draft_acceptance([0, 3]) is None  # k = 1 has no drafts
     header, cells = rows_table({"results": [{"method": "tidar-k4", "draft_acceptance": [0.6, 0.5, 0.3333]}]})
     assert cells[0][header.index("drafts 1 / 2 / ... accepted (given the earlier)")] == "0.60 / 0.50 / 0.33"

@@ -131,7 +131,7 @@ class MethodRun:
             memory_method=first["memory_method"], identical_rate=identical_rate(self.outputs, reference),
             perplexity=perplexity(self.models.baseline, self.encoded, self.outputs),
             accuracy=accuracy(self.models.tokenizer, self.outputs, prompts),
-            accepted_length_histogram=self.histogram or None, draft_acceptance=draft_acceptance(self.histogram),
+            accepted_length_histogram=self.histogram or None, draft_acceptance=draft_acceptance(self.histogram, method.draft_length),
             outputs=self.outputs,
         )
 

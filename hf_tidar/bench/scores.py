@@ -38,14 +38,16 @@ def tokens_per_forward(tokens: int, row_forwards: int) -> float:
     return _metric("tokens_per_pass").compute(tokens=[tokens], passes=[max(row_forwards, 1)])["tokens_per_pass"]
 
 
-def draft_acceptance(histogram: list[int] | None) -> list[float] | None:
+def draft_acceptance(histogram: list[int] | None, draft_length: int | None = None) -> list[float] | None:
     """Per draft slot, how often draft ``r`` was accepted in the passes that accepted drafts ``1 .. r-1``.
 
     ``histogram[n]`` counts the passes that committed ``n`` tokens: the verifier's own token and ``n - 1``
     drafts. Draft ``r`` is reached by the passes with ``n >= r`` and accepted by those with ``n >= r + 1``.
-    Slots beyond the longest pass are left out (a histogram may be wider than the layout's draft length).
+    Slots that no pass reached are left out. A histogram may be wider than the layout (it has room for
+    lookup blocks too), so empty entries beyond both the longest pass and ``draft_length`` are dropped first.
     """
-    while histogram and histogram[-1] == 0:
+    keep = (draft_length or 0) + 1
+    while histogram and len(histogram) > keep and histogram[-1] == 0:
         histogram = histogram[:-1]
     if not histogram:
         return None
