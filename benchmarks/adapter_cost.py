@@ -26,6 +26,7 @@ from transformers import DynamicCache
 from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.assets import SHIPPED_ADAPTER
 from hf_tidar.checkpoints import load_smollm2
+from hf_tidar.cpu.kernel import cpu_flags
 from hf_tidar.training.gated_lora import load_tidar_adapter
 
 PREFIX = 120
@@ -67,7 +68,7 @@ def main() -> None:
     for name, model in models.items():
         caches[name] = DynamicCache(config=model.config)
         model(input_ids=prefix, cache=caches[name], use_cache=True, logits_to_keep=1)
-    flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in open("/proc/cpuinfo").read().split()]
+    flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in cpu_flags()]
     print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; float32, {args.linears} linears; a {PREFIX}-token cache; median of "
           f"{args.repeats} alternating calls")

@@ -81,19 +81,19 @@ class TailLoraLinear(nn.Linear):
         start = self.tail.start
         if start is None or start >= x.shape[-2]:
             return linear_forward(self, x)
-        if torch.is_grad_enabled():
-            out = linear_forward(self, x)
-            update = F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
-            return torch.cat([out[..., :start, :], out[..., start:, :] + update], dim=-2)
-        if x.dim() == 3 and x.shape[0] == 1:  # one sequence: 2-D products, the update added in place by addmm_
+        one_sequence = x.dim() == 3 and x.shape[0] == 1
+        if one_sequence and not torch.is_grad_enabled():
             fused = few_rows_lora_forward(self, x, self.lora_a, self.lora_b, start)
             if fused is not None:  # the measured path's kernel did base product and update in one call
                 return fused
-            out = linear_forward(self, x)
-            out[0, start:].addmm_(torch.mm(x[0, start:], self.lora_a.t()), self.lora_b.t())
-            return out
         out = linear_forward(self, x)
-        out[..., start:, :] += F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
+        if torch.is_grad_enabled():
+            update = F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
+            return torch.cat([out[..., :start, :], out[..., start:, :] + update], dim=-2)
+        if one_sequence:  # 2-D products, the update added in place by addmm_
+            out[0, start:].addmm_(torch.mm(x[0, start:], self.lora_a.t()), self.lora_b.t())
+        else:
+            out[..., start:, :] += F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
         return out
 
 

@@ -32,7 +32,6 @@ inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// MR input rows against NR weight rows: MR * NR accumulators, K in steps of 8, then a scalar tail.
 // One segment of a dot product: MR rows of a (stride lda) against NR rows of b (stride ldb), length n.
 template <int MR, int NR>
 inline int64_t dot_segment(__m256 (&acc)[MR][NR], const float* a, int64_t lda, const float* b, int64_t ldb,
@@ -107,7 +106,7 @@ inline void column_block(const float* x, int64_t M, int64_t K, const float* w, c
 
 // y = x @ wᵀ (+ bias), rows from `tail` on plus z @ bᵀ (z: [M - tail, R], b: [N, R]; none if z is null).
 void rows_times_weight(const float* x, int64_t M, int64_t K, const float* w, int64_t N, float* y,
-                       const float* bias, const float* z, const float* b, int64_t R, int64_t tail, bool parallel) {
+                       const float* bias, const float* z, const float* b, int64_t R, int64_t tail) {
   if (!z) tail = M;
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   auto run = [&](int64_t b0, int64_t b1) {
@@ -129,8 +128,7 @@ void rows_times_weight(const float* x, int64_t M, int64_t K, const float* w, int
       }
     }
   };
-  if (parallel) at::parallel_for(0, blocks, 8, run);
-  else run(0, blocks);
+  at::parallel_for(0, blocks, 8, run);
 }
 
 void check_matrix(const at::Tensor& t, const char* name) {
@@ -166,12 +164,12 @@ at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& weight, const s
                 "few_row_linear: lora_a must be [R, K] and lora_b [N, R]");
     z.resize((M - tail) * R);  // the tail rows' low-rank codes x @ lora_aᵀ
     rows_times_weight(x.data_ptr<float>() + tail * K, M - tail, K, lora_a->data_ptr<float>(), R, z.data(),
-                      nullptr, nullptr, nullptr, 0, M - tail, true);
+                      nullptr, nullptr, nullptr, 0, M - tail);
     b_data = lora_b->data_ptr<float>();
   }
   at::Tensor y = at::empty({M, N}, x.options());
   rows_times_weight(x.data_ptr<float>(), M, K, weight.data_ptr<float>(), N, y.data_ptr<float>(), bias_data,
-                    z.empty() ? nullptr : z.data(), b_data, R, tail, true);
+                    z.empty() ? nullptr : z.data(), b_data, R, tail);
   return y;
 }
 

@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 from collections.abc import Callable
 from pathlib import Path
 
@@ -27,16 +28,26 @@ REQUIRED_FLAGS = frozenset({"avx2", "fma"})
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
+def cpu_info() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and feature flags from ``/proc/cpuinfo`` (``platform``'s name and no flags where
+    it cannot be read)."""
+    name, flags = platform.processor() or platform.machine(), frozenset()
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = frozenset(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return frozenset()
+    return name, flags
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags (see :func:`cpu_info`)."""
+    return cpu_info()[1]
 
 
 def build_key() -> str:

@@ -24,7 +24,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..assets import cache_root
-from .kernel import build_key, few_row_kernel
+from .kernel import build_key, cpu_info, few_row_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -174,20 +173,9 @@ def best_choices(timings: dict[str, dict[int, float]], max_rows: int = MAX_ROWS)
 
 def machine_key() -> str:
     """What a profile depends on: CPU model and flags, torch version and thread count."""
-    cpu = platform.processor() or platform.machine()
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    cpu, flags = cpu_info()
     kernel = build_key() if few_row_kernel() is not None else "no-kernel"
-    text = f"v{PROFILE_VERSION}|{cpu}|{flags}|{torch.__version__}|{torch.get_num_threads()}|{kernel}"
+    text = f"v{PROFILE_VERSION}|{cpu}|{' '.join(sorted(flags))}|{torch.__version__}|{torch.get_num_threads()}|{kernel}"
     return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
