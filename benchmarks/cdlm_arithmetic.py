@@ -1,4 +1,4 @@
-"""Benchmark: CDLM student vs its teacher on held-out arithmetic word problems, batch 1.
+"""Benchmark: CDLM student vs its teacher on held-out arithmetic word problems (batch 1 by default).
 
 Loads the teacher and student that ``examples/cdlm_arithmetic.py`` saved, and decodes each held-out
 problem with: the teacher's vanilla decoding (one token per pass, full recomputation), the teacher
@@ -25,24 +25,29 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tidar import CdlmForCausalLM, metrics  # importing hf_tidar registers the cdlm model type
-from hf_tidar.cdlm.arithmetic import split
+from hf_tidar.cdlm.arithmetic import SHORT_CHANGES, split
 
 
-def evaluate(model, tokenizer, problems, gen_len: int, **generate_kwargs) -> dict:
-    """Decode every problem alone (batch 1); accuracy, mean passes, tokens per pass, tokens/s.
+def evaluate(model, tokenizer, problems, gen_len: int, batch_size: int = 1, **generate_kwargs) -> dict:
+    """Decode the problems in batches of ``batch_size`` (left-padded); accuracy, mean passes per problem,
+    tokens per pass, tokens/s (every row's tokens up to and including EOS over the wall time of ``generate``).
 
     Accuracy and tokens per pass come from the package's ``evaluate`` modules (loaded by path, offline).
     """
     texts, passes, tokens, seconds = [], [], [], 0.0
-    for problem in problems:
-        ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    eos = model.generation_config.eos_token_id
+    for first in range(0, len(problems), batch_size):
+        chunk = problems[first : first + batch_size]
+        batch = tokenizer([p.question for p in chunk], add_special_tokens=False, return_tensors="pt", padding=True)
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=gen_len, return_dict_in_generate=True, **generate_kwargs)
+        out = model.generate(**batch, max_new_tokens=gen_len, return_dict_in_generate=True, **generate_kwargs)
         seconds += time.perf_counter() - start
-        generated = out.sequences[0, ids.shape[1] :]
-        texts.append(tokenizer.decode(generated, skip_special_tokens=True))
-        passes.append(int(out.forward_passes[0]))
-        tokens.append(generated.shape[0])
+        for row, generated in enumerate(out.sequences[:, batch["input_ids"].shape[1] :]):
+            ends = (generated == eos).nonzero()
+            length = int(ends[0]) + 1 if len(ends) else generated.shape[0]
+            texts.append(tokenizer.decode(generated[:length], skip_special_tokens=True))
+            passes.append(int(out.forward_passes[row]))
+            tokens.append(length)
     accuracy = metrics.load("answer_accuracy").compute(predictions=texts, references=[p.answer for p in problems])
     per_pass = metrics.load("tokens_per_pass").compute(tokens=tokens, passes=passes)
     return {
@@ -61,17 +66,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--problems", type=int, default=100)
     parser.add_argument("--threshold", type=float, default=0.9)
     parser.add_argument("--undistilled", action="store_true", help="add the block-causal teacher copy (ablation)")
+    parser.add_argument("--batch-size", type=int, default=1, help="problems decoded together (left-padded)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs over all problems (median tokens/s)")
     parser.add_argument("--threads", type=int, default=1, help="1 avoids OpenMP stalls on a busy CPU")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = parser.parse_args(argv)
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1.")
+    if args.repeats < 1 or args.batch_size < 1:
+        parser.error("--repeats and --batch-size must be at least 1.")
     torch.set_num_threads(args.threads)
     pipeline = json.loads((args.run / "pipeline.json").read_text())
     gen_len = int(pipeline["args"]["gen_len"])
     train_count = int(pipeline["args"]["train_problems"])
-    _, test = split(train_count, args.problems)
+    changes = int(pipeline["args"].get("changes", SHORT_CHANGES))  # runs made before --changes had 2
+    _, test = split(train_count, args.problems, changes=changes)
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
     teacher = AutoModelForCausalLM.from_pretrained(args.run / "teacher").eval()
     student = AutoModelForCausalLM.from_pretrained(args.run / "student").eval()
@@ -89,18 +96,18 @@ def main(argv: list[str] | None = None) -> dict:
             copy.eval(), dict(strategy="cdlm", threshold=args.threshold)
         )
     for model, kwargs in decoders.values():  # warm-up
-        evaluate(model, tokenizer, test[:2], gen_len, **kwargs)
+        evaluate(model, tokenizer, test[: 2 * args.batch_size], gen_len, args.batch_size, **kwargs)
     runs = {name: [] for name in decoders}
     for _ in range(args.repeats):  # interleaved, so a busy moment of the machine hits every decoder alike
         for name, (model, kwargs) in decoders.items():
-            runs[name].append(evaluate(model, tokenizer, test, gen_len, **kwargs))
+            runs[name].append(evaluate(model, tokenizer, test, gen_len, args.batch_size, **kwargs))
     rows = {}
     for name, results in runs.items():
         rows[name] = dict(results[0], tokens_per_second=statistics.median(r["tokens_per_second"] for r in results),
                           seconds=statistics.median(r["seconds"] for r in results),
                           tokens_per_second_runs=[r["tokens_per_second"] for r in results])
     base = rows["teacher, vanilla"]
-    print(f"{len(test)} held-out problems, batch 1, {torch.get_num_threads()} threads, {platform.machine()} CPU, "
+    print(f"{len(test)} held-out problems, batch {args.batch_size}, {torch.get_num_threads()} threads, {platform.machine()} CPU, "
           f"tokens/s: median of {args.repeats} interleaved runs")
     print("| decoder | accuracy | passes / problem | tokens / pass | tokens/s | passes vs vanilla | speed-up |")
     print("|---|---|---|---|---|---|---|")

@@ -28,13 +28,13 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from hf_tidar import metrics
 from hf_tidar.cdlm import CdlmConfig, CdlmForCausalLM
-from hf_tidar.cdlm.arithmetic import generate_problems, split, task_tokenizer
+from hf_tidar.cdlm.arithmetic import LONG_CHANGES, SHORT_CHANGES, generate_problems, split, task_tokenizer
 from hf_tidar.cdlm.training import CdlmCollator, CdlmTrainer, lora_student
 from hf_tidar.cdlm.trajectories import collect_trajectories
 from hf_tidar.prompt_encoding import left_pad
 
 
-def backbone_config(tokenizer, hidden: int, layers: int) -> LlamaConfig:
+def backbone_config(tokenizer, hidden: int, layers: int, max_positions: int = 256) -> LlamaConfig:
     """A small Llama shape for the task (head size 32)."""
     return LlamaConfig(
         vocab_size=len(tokenizer),
@@ -43,17 +43,18 @@ def backbone_config(tokenizer, hidden: int, layers: int) -> LlamaConfig:
         num_hidden_layers=layers,
         num_attention_heads=hidden // 32,
         num_key_value_heads=hidden // 32,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=False,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
 
 
-def new_teacher(tokenizer, block_size: int, hidden: int = 128, layers: int = 4) -> CdlmForCausalLM:
+def new_teacher(tokenizer, block_size: int, hidden: int = 128, layers: int = 4,
+                max_positions: int = 256) -> CdlmForCausalLM:
     """A randomly initialised bidirectional LLaDA-style (unshifted) diffusion LM on a Llama backbone."""
     config = CdlmConfig(
-        text_config=backbone_config(tokenizer, hidden, layers).to_dict(),
+        text_config=backbone_config(tokenizer, hidden, layers, max_positions).to_dict(),
         attention_mode="bidirectional",
         block_size=block_size,
         mask_token_id=tokenizer.mask_token_id,
@@ -156,9 +157,10 @@ def train_from_scratch(
     return losses
 
 
-def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problems: int = 100) -> float:
+def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problems: int = 100,
+                       changes: int = SHORT_CHANGES) -> float:
     """Answer accuracy of plain AR greedy decoding on held-out problems (how much the warm start knows)."""
-    _, test = split(train_count, problems)
+    _, test = split(train_count, problems, changes=changes)
     texts = []
     for problem in test:
         ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -197,7 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, default=Path("runs/cdlm-arith"))
     parser.add_argument("--train-problems", type=int, default=20000)
     parser.add_argument("--trajectory-prompts", type=int, default=1024)
-    parser.add_argument("--gen-len", type=int, default=16, help="generated tokens (solutions are 14 + EOS)")
+    parser.add_argument("--changes", type=int, default=SHORT_CHANGES,
+                        help=f"changes per problem: {SHORT_CHANGES} (14-token solutions) or {LONG_CHANGES} (146 tokens)")
+    parser.add_argument("--gen-len", type=int, default=16,
+                        help="generated tokens; at least the solution + EOS (16 for 2 changes, 160 for 24)")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -218,22 +223,30 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = task_tokenizer()
-    problems = generate_problems(seed=0, count=args.train_problems)
+    problems = generate_problems(seed=0, count=args.train_problems, changes=args.changes)
+    longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) for p in problems)
+    if args.gen_len < longest + 1:
+        parser.error(f"--gen-len {args.gen_len} cannot hold a {longest}-token solution and its EOS; "
+                     f"use --gen-len {longest + 1} or more.")
+    prompt_longest = max(len(tokenizer(p.question, add_special_tokens=False)["input_ids"]) for p in problems)
+    # Room for the prompt and 512 generated tokens: the length benchmark decodes that far.
+    max_positions = max(256, prompt_longest + max(512, args.gen_len))
     timings = {}
 
     start, ar_losses, ar_accuracy = time.time(), [], None
     if args.ar_steps:
-        ar_model = LlamaForCausalLM(backbone_config(tokenizer, args.hidden, args.layers))
+        ar_model = LlamaForCausalLM(backbone_config(tokenizer, args.hidden, args.layers, max_positions))
         ar_losses = train_from_scratch(
             ar_model, ar_loss, tokenizer, problems, args.gen_len, args.ar_steps, args.teacher_batch, args.ar_lr,
             args.ar_minutes, name="ar warm start",
         )
         timings["ar_warm_start_s"] = time.time() - start
-        ar_accuracy = ar_greedy_accuracy(ar_model, tokenizer, args.train_problems, args.gen_len)
+        ar_accuracy = ar_greedy_accuracy(ar_model, tokenizer, args.train_problems, args.gen_len,
+                                         changes=args.changes)
         print(f"ar warm start: greedy accuracy on 100 held-out problems {ar_accuracy:.2f}", flush=True)
         teacher = teacher_from_ar(ar_model, tokenizer, args.block_size)
     else:
-        teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers)
+        teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers, max_positions)
     start = time.time()
     teacher_losses = train_from_scratch(
         teacher, dlm_loss, tokenizer, problems, args.gen_len, args.teacher_steps, args.teacher_batch,

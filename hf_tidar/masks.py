@@ -72,6 +72,11 @@ class AttentionLayout:
         """``[batch, query_len]`` bool: which query tokens are ``[MASK]`` inputs."""
         return self.group[:, self.kv_len - self.query_len :] != CLEAN
 
+    def select_rows(self, rows: torch.Tensor) -> AttentionLayout:
+        """The same layout for the rows ``rows`` (indices into the batch) only."""
+        return AttentionLayout(self.position_ids[rows], self.group[rows], self.horizon[rows], self.valid[rows],
+                               self.query_len)
+
 
 def tidar_mask_mod(layout: AttentionLayout) -> MaskMod:
     """The TiDAR visibility predicate, in flex-attention ``mask_mod`` form.

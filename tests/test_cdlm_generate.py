@@ -139,13 +139,28 @@ def test_vanilla_teacher_one_token_per_pass_and_threshold_parallel():
 # -- batches, EOS, streamer ------------------------------------------------------------------------
 
 
-def test_batched_equals_per_row_with_eos():
+DECODERS = {"cdlm": dict(strategy="cdlm"), "dlm": dict(strategy="dlm"), "dual cache": dict(strategy="dlm", dual_cache=True)}
+
+
+@pytest.mark.filterwarnings("ignore:dual_cache=True")
+@pytest.mark.parametrize("decoder", list(DECODERS))
+def test_batched_equals_per_row_with_eos_and_finished_rows_leave_the_batch(decoder):
     student = peaky_student(seed=1)
     ids, mask = left_padded_prompts(3, 8, seed=6)
     probe = student.generate(ids[:1], max_new_tokens=12, threshold=0.5, eos_token_id=None)
     eos = int(probe[0, 8 + 5])  # a token row 0 produces mid-way: rows stop at different blocks
-    kwargs = dict(max_new_tokens=12, threshold=0.5, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True)
-    batch = student.generate(ids, attention_mask=mask, **kwargs)
+    kwargs = dict(max_new_tokens=12, threshold=0.5, eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True,
+                  **DECODERS[decoder])
+    batch_rows = []
+    hook = student.model.register_forward_pre_hook(lambda _, args, kw: batch_rows.append(kw["input_ids"].shape[0]),
+                                                   with_kwargs=True)
+    try:
+        batch = student.generate(ids, attention_mask=mask, **kwargs)
+    finally:
+        hook.remove()
+    finished = sum(int((batch.sequences[r, 8:] == eos).any()) for r in range(3))
+    assert batch_rows[0] == 3 and 3 - finished <= batch_rows[-1] < 3  # rows done early are not computed
+    assert batch_rows == sorted(batch_rows, reverse=True)
     for r in range(3):
         real = mask[r].bool()
         row = student.generate(ids[r : r + 1, real], **kwargs)
@@ -156,6 +171,34 @@ def test_batched_equals_per_row_with_eos():
         assert batch.accepted_lengths[r] == row.accepted_lengths[0]
         assert int(batch.forward_passes[r]) == int(row.forward_passes[0])
     assert (batch.sequences[0, 8:] == eos).nonzero()[0].item() <= 5
+
+
+@pytest.mark.filterwarnings("ignore:dual_cache=True")
+@pytest.mark.parametrize("decoder", list(DECODERS))
+def test_masks_are_rendered_once_per_layout_and_processors_once_per_pass(decoder, monkeypatch):
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from hf_tidar.cdlm import decoding
+
+    class Counting(LogitsProcessor):
+        calls = 0
+
+        def __call__(self, input_ids, scores):
+            Counting.calls += 1
+            return scores
+
+    renders = []
+    original = decoding.render_mask
+    monkeypatch.setattr(decoding, "render_mask", lambda *a, **k: renders.append(1) or original(*a, **k))
+    student = peaky_student(seed=2, scale=1.0)  # no probability reaches 1.0: threshold 1.0 is one token per pass
+    ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(3))
+    out = student.generate(ids, max_new_tokens=16, threshold=1.0, eos_token_id=None, return_dict_in_generate=True,
+                           logits_processor=LogitsProcessorList([Counting()]), **DECODERS[decoder])
+    blocks = 16 // student.config.block_size
+    assert int(out.forward_passes[0]) == 16  # 4 passes per block
+    assert Counting.calls == 16  # one call per pass, not one per block position
+    expected = {"cdlm": 2 * blocks, "dlm": 1, "dual cache": 2 * blocks}[decoder]
+    assert len(renders) == expected  # cdlm / dual cache: a block's first pass, then its shared later passes
 
 
 class Collect(BaseStreamer):

@@ -77,3 +77,38 @@ def test_ar_warm_start_loss_labels_the_solution_and_its_first_eos_only():
     example.ar_loss(Recorder(), prompts, targets, mask_id=3, pad_id=0, gen=None)
     assert seen["labels"].tolist() == [[-100, -100, -100, 5, 6, 2, -100], [-100, -100, -100, 5, 2, -100, -100]]
     assert seen["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]  # left padding skipped
+
+
+def test_benchmark_decodes_in_batches(run):
+    bench = load_script("benchmarks/cdlm_arithmetic.py")
+    single = bench.main(["--run", str(run), "--problems", "4", "--repeats", "1"])
+    batched = bench.main(["--run", str(run), "--problems", "4", "--repeats", "1", "--batch-size", "4"])
+    for name, row in single.items():  # the decoders are exact per row, so batching changes the speed only
+        assert batched[name]["accuracy"] == row["accuracy"]
+        assert batched[name]["forward_passes_per_problem"] == row["forward_passes_per_problem"]
+
+
+def test_length_benchmark_decodes_every_length_and_plots(run, tmp_path):
+    bench = load_script("benchmarks/cdlm_length.py")
+    results = bench.main(["--run", str(run), "--lengths", "8", "16", "--problems", "2", "--repeats", "1",
+                          "--out", str(tmp_path)])
+    assert (tmp_path / "length.png").stat().st_size > 0
+    saved = json.loads((tmp_path / "length.json").read_text())
+    assert saved["results"] == results and saved["meta"]["lengths"] == [8, 16]
+    vanilla = results["teacher, vanilla"]
+    assert [vanilla[n]["passes_per_problem"] for n in ("8", "16")] == [8, 16]  # one pass per token, EOS ignored
+    for rows in results.values():
+        assert all(rows[n]["ms_per_token"] > 0 and rows[n]["passes_per_problem"] >= 1 for n in ("8", "16"))
+
+
+def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
+    example = load_script("examples/cdlm_arithmetic.py")
+    common = ["--train-problems", "50", "--trajectory-prompts", "4", "--hidden", "32", "--layers", "1",
+              "--ar-steps", "0", "--teacher-steps", "2", "--teacher-batch", "4", "--student-steps", "1",
+              "--student-batch", "4", "--lora-rank", "4", "--changes", "4", "--block-size", "8"]
+    with pytest.raises(SystemExit):  # 4 changes: 4 steps of 6 tokens + "#### n" = 26 tokens, plus EOS
+        example.main(["--out", str(tmp_path / "short"), *common, "--gen-len", "16"])
+    summary = example.main(["--out", str(tmp_path / "long"), *common, "--gen-len", "32"])
+    assert summary["args"]["changes"] == "4"
+    teacher = CdlmForCausalLM.from_pretrained(tmp_path / "long" / "teacher")
+    assert teacher.config.get_text_config().max_position_embeddings >= 29 + 512  # longest prompt + the length benchmark

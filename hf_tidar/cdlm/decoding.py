@@ -30,7 +30,7 @@ from .._warning_stacklevel import user_stacklevel
 from ..cache import DraftCache
 from ..generation.outputs import StrategyGenerateOutput
 from ..generation.processors import refuse_stateful
-from ..masks import AttentionLayout
+from ..masks import AttentionLayout, render_mask
 
 
 class BlockDecoder:
@@ -94,31 +94,45 @@ class BlockDecoder:
         """Whether some active row still has a masked position in ``[start, end)``."""
         return bool((self.active & ~self.final[:, start:end].all(-1)).any())
 
-    def finalise(self, start: int, end: int, hidden: torch.Tensor) -> None:
-        """One pass's decision for block ``[start, end)``; ``hidden`` ``[batch, end - start, H]`` predicts it."""
+    def live_rows(self) -> torch.Tensor:
+        """Indices of the rows still decoding; finished rows leave the batch, so passes skip them."""
+        return self.active.nonzero().flatten()
+
+    def finalise(self, start: int, end: int, hidden: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """One pass's decision for block ``[start, end)``.
+
+        ``hidden`` ``[len(rows), end - start, H]`` predicts the block for the batch rows ``rows`` (all rows
+        when ``None``); the other rows are finished and keep their state.
+        """
+        rows = torch.arange(self.tokens.shape[0], device=hidden.device) if rows is None else rows
+        width = end - start
         logits = self.model.vocab_logits(hidden).float()
-        prefix = torch.cat([self.input_ids, self.tokens[:, :start]], dim=1)
-        scores = torch.stack([self.processors(prefix, logits[:, j]) for j in range(end - start)], dim=1)
+        prefix = torch.cat([self.input_ids[rows], self.tokens[rows, :start]], dim=1)
+        # Every position of the block sees the same prefix (the sequence up to the block start), so one
+        # call scores them all; stateful processors, which would need one call per position, are refused.
+        scores = self.processors(prefix.repeat_interleave(width, dim=0), logits.flatten(0, 1)).view_as(logits)
         confidence, choice = scores.softmax(-1).max(-1)
-        masked = ~self.final[:, start:end] & self.active[:, None]
+        masked = ~self.final[rows, start:end] & self.active[rows, None]
         confidence = confidence.masked_fill(~masked, -1.0)
         # At least the most confident masked position, plus every one at or above the threshold.
         chosen = torch.zeros_like(masked).scatter_(1, confidence.argmax(-1, keepdim=True), True) & masked
         if self.threshold is not None:
             chosen |= masked & (confidence >= self.threshold)
         span = slice(start, end)
-        self.tokens[:, span] = torch.where(chosen, choice, self.tokens[:, span])
-        self.final[:, span] |= chosen
-        self.final_step[:, span] = torch.where(chosen, self.step, self.final_step[:, span])
+        self.tokens[rows, span] = torch.where(chosen, choice, self.tokens[rows, span])
+        self.final[rows, span] |= chosen
+        self.final_step[rows, span] = torch.where(chosen, self.step, self.final_step[rows, span])
         for store, value in ((self.logits, logits), (self.scores, scores), (self.hidden, hidden)):
             if store is not None:
-                store[:, span] = torch.where(chosen[..., None], value.to(store.dtype), store[:, span])
+                store[rows, span] = torch.where(chosen[..., None], value.to(store.dtype), store[rows, span])
         worked = masked.any(-1)
-        self.passes += worked.long()
-        for row in worked.nonzero().flatten().tolist():
-            self.accepted[row].append(int(chosen[row].sum()))
+        self.passes[rows] += worked.long()
+        for row, count in zip(rows[worked].tolist(), chosen[worked].sum(-1).tolist(), strict=True):
+            self.accepted[row].append(int(count))
         self.step += 1
-        self.last_scores = scores[:, -1]
+        if self.last_scores is None:
+            self.last_scores = scores.new_zeros(self.tokens.shape[0], scores.shape[-1])
+        self.last_scores[rows] = scores[:, -1]
 
     def end_block(self, start: int, end: int, stopping_criteria: StoppingCriteriaList | None, streamer) -> bool:
         """Close block ``[start, end)``: stream it, retire rows that hit EOS; ``True`` when all rows are done."""
@@ -214,41 +228,70 @@ def _sequence_layout(model, attention_mask: torch.Tensor, decoder: BlockDecoder)
     return model.attention_layout(valid, attention_mask.sum(-1, keepdim=True))
 
 
+def _rendered(model, layout: AttentionLayout) -> tuple[object, torch.Tensor]:
+    """``layout``'s mask in the backbone's attention format and its query position ids.
+
+    Rendered once and passed to every pass that shares the layout, instead of once per pass.
+    """
+    mask = render_mask(layout, model.model.config._attn_implementation, model.get_input_embeddings().weight.dtype)
+    return mask, layout.query_position_ids
+
+
+def _forward(model, input_ids: torch.Tensor, rendered: tuple[object, torch.Tensor], cache=None) -> torch.Tensor:
+    """The backbone's last hidden states over ``input_ids`` under an already rendered mask."""
+    mask, position_ids = rendered
+    return model.structured_hidden_states(input_ids, None, cache, mask=mask, position_ids=position_ids)
+
+
 def run_dlm(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_criteria=None, streamer=None) -> None:
-    """Full-recomputation decoding of ``decoder``'s canvas (every pass sees the whole sequence)."""
+    """Full-recomputation decoding of ``decoder``'s canvas (every pass sees the whole sequence).
+
+    Rows that finished leave the batch; the mask is rendered again only when they do.
+    """
     prompt_cols = input_ids.shape[1]
     layout = _sequence_layout(model, attention_mask, decoder)
     shift = int(model.config.shift_logits)
+    live = decoder.live_rows()
+    rendered = _rendered(model, layout.select_rows(live))
     for start, end in decoder.blocks():
         while decoder.pending(start, end):
-            hidden = model.structured_hidden_states(torch.cat([input_ids, decoder.tokens], dim=1), layout)
-            decoder.finalise(start, end, hidden[:, prompt_cols + start - shift : prompt_cols + end - shift])
+            hidden = _forward(model, torch.cat([input_ids[live], decoder.tokens[live]], dim=1), rendered)
+            decoder.finalise(start, end, hidden[:, prompt_cols + start - shift : prompt_cols + end - shift], live)
         if decoder.end_block(start, end, stopping_criteria, streamer):
             break
+        if len(decoder.live_rows()) < len(live):
+            live = decoder.live_rows()
+            rendered = _rendered(model, layout.select_rows(live))
 
 
 def run_dlm_dual_cache(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_criteria=None,
                        streamer=None) -> None:
-    """Fast-dLLM's dual-cache decoding of ``decoder``'s canvas (see the module docstring)."""
+    """Fast-dLLM's dual-cache decoding of ``decoder``'s canvas (see the module docstring).
+
+    Each block's full pass, and then its block-only passes, run over the rows still decoding.
+    """
     prompt_cols = input_ids.shape[1]
-    layout = _sequence_layout(model, attention_mask, decoder)
+    full_layout = _sequence_layout(model, attention_mask, decoder)
     shift = int(model.config.shift_logits)
     for start, end in decoder.blocks():
         # The recomputed span: the block, and for shifted models the position that predicts its first token.
         low, high = prompt_cols + start - shift, prompt_cols + end
         if not decoder.pending(start, end):
             continue
+        live = decoder.live_rows()
+        layout = full_layout.select_rows(live)
         cache = DraftCache(config=model.config.get_text_config())
-        hidden = model.structured_hidden_states(torch.cat([input_ids, decoder.tokens], dim=1), layout, cache)
+        sequence = torch.cat([input_ids[live], decoder.tokens[live]], dim=1)
+        hidden = _forward(model, sequence, _rendered(model, layout), cache)
         outside = torch.cat([torch.arange(low), torch.arange(high, layout.kv_len)]).to(layout.valid.device)
         cache.gather_tokens(outside.expand(layout.batch_size, -1))
-        block_layout = _outside_then_span(layout, outside, low, high)
-        decoder.finalise(start, end, hidden[:, low : low + end - start])
+        block_rendered = _rendered(model, _outside_then_span(layout, outside, low, high))
+        decoder.finalise(start, end, hidden[:, low : low + end - start], live)
         while decoder.pending(start, end):
-            span = torch.cat([input_ids, decoder.tokens], dim=1)[:, low:high]
-            hidden = model.structured_hidden_states(span, block_layout, cache)
+            span = torch.cat([input_ids[live], decoder.tokens[live]], dim=1)[:, low:high]
+            hidden = _forward(model, span, block_rendered, cache)
             cache.keep_first(outside.numel())
-            decoder.finalise(start, end, hidden[:, : end - start])
+            decoder.finalise(start, end, hidden[:, : end - start], live)
         if decoder.end_block(start, end, stopping_criteria, streamer):
             break
 
@@ -314,25 +357,40 @@ def cdlm_decode(
                                           block_size, streamer, model_kwargs, "cdlm")
     prompt_len = attention_mask.sum(-1, keepdim=True)
     cache = DraftCache(config=model.config.get_text_config())
+    live = decoder.live_rows()
     committed = attention_mask[:, :0].bool()
     pending, pending_valid = input_ids, attention_mask.bool()
     for start, end in decoder.blocks():
-        block_valid = torch.ones_like(decoder.tokens[:, start:end], dtype=torch.bool)
-        first, carry = True, None
+        block_valid = torch.ones_like(decoder.tokens[live, start:end], dtype=torch.bool)
+        first, carry, block_rendered = True, None, None
         while decoder.pending(start, end):
-            block = decoder.tokens[:, start:end]
-            query = torch.cat([pending, block], dim=1) if first else block
-            keys = torch.cat([committed, pending_valid, block_valid] if first else [committed, block_valid], dim=1)
-            hidden = model.structured_hidden_states(query, model.attention_layout(keys, prompt_len, query.shape[1]), cache)
+            block = decoder.tokens[live, start:end]
+            if first:
+                query = torch.cat([pending, block], dim=1)
+                keys = torch.cat([committed, pending_valid, block_valid], dim=1)
+                rendered = _rendered(model, model.attention_layout(keys, prompt_len[live], query.shape[1]))
+            else:  # the block's later passes share one layout: the committed prefix, then the block
+                query = block
+                if block_rendered is None:
+                    keys = torch.cat([committed, block_valid], dim=1)
+                    block_rendered = _rendered(model, model.attention_layout(keys, prompt_len[live], query.shape[1]))
+                rendered = block_rendered
+            hidden = _forward(model, query, rendered, cache)
             if first:
                 # The hidden state before the block (Dream-style models predict from it) is final too.
                 carry = hidden[:, pending.shape[1] - 1]
                 committed, first = torch.cat([committed, pending_valid], dim=1), False
             cache.keep_first(committed.shape[1])
-            decoder.finalise(start, end, model.predicting_hidden(hidden[:, -(end - start) :], carry))
-        pending, pending_valid = decoder.tokens[:, start:end], block_valid
+            decoder.finalise(start, end, model.predicting_hidden(hidden[:, -(end - start) :], carry), live)
+        pending, pending_valid = decoder.tokens[live, start:end], block_valid
         if decoder.end_block(start, end, stopping_criteria, streamer):
             break
+        still = decoder.active[live]
+        if not bool(still.all()):  # finished rows leave the batch, their cache rows too
+            keep = still.nonzero().flatten()
+            cache.batch_select_indices(keep)
+            live, committed = live[keep], committed[keep]
+            pending, pending_valid = pending[keep], pending_valid[keep]
     if streamer is not None:
         streamer.end()
     return decoder.result(generation_config, pad)
