@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tidar import CdlmForCausalLM, metrics  # importing hf_tidar registers the cdlm model type
-from hf_tidar.cdlm.arithmetic import SHORT_CHANGES, split
+from hf_tidar.cdlm.arithmetic import split_for_run
 
 
 def evaluate(model, tokenizer, problems, gen_len: int, batch_size: int = 1, **generate_kwargs) -> dict:
@@ -76,9 +76,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     pipeline = json.loads((args.run / "pipeline.json").read_text())
     gen_len = int(pipeline["args"]["gen_len"])
-    train_count = int(pipeline["args"]["train_problems"])
-    changes = int(pipeline["args"].get("changes", SHORT_CHANGES))  # runs made before --changes had 2
-    _, test = split(train_count, args.problems, changes=changes)
+    _, test = split_for_run(pipeline["args"], args.problems)
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
     teacher = AutoModelForCausalLM.from_pretrained(args.run / "teacher").eval()
     student = AutoModelForCausalLM.from_pretrained(args.run / "student").eval()

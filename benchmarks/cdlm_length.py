@@ -27,7 +27,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tidar  # noqa: F401  (registers the cdlm model type)
-from hf_tidar.cdlm.arithmetic import SHORT_CHANGES, split
+from hf_tidar.cdlm.arithmetic import split_for_run
 
 
 def decoders(teacher, student, threshold: float) -> dict[str, tuple[object, dict]]:
@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--repeats, --problems and every --lengths value must be at least 1.")
     torch.set_num_threads(args.threads)
     pipeline = json.loads((args.run / "pipeline.json").read_text())
-    changes = int(pipeline["args"].get("changes", SHORT_CHANGES))
-    _, test = split(int(pipeline["args"]["train_problems"]), args.problems, changes=changes)
+    _, test = split_for_run(pipeline["args"], args.problems)
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
     teacher = AutoModelForCausalLM.from_pretrained(args.run / "teacher").eval()
     student = AutoModelForCausalLM.from_pretrained(args.run / "student").eval()

@@ -28,7 +28,14 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 from hf_tidar import metrics
 from hf_tidar.cdlm import CdlmConfig, CdlmForCausalLM
-from hf_tidar.cdlm.arithmetic import LONG_CHANGES, SHORT_CHANGES, generate_problems, split, task_tokenizer
+from hf_tidar.cdlm.arithmetic import (
+    LONG_CHANGES,
+    LONG_NUMBERED_CHANGES,
+    SHORT_CHANGES,
+    generate_problems,
+    split,
+    task_tokenizer,
+)
 from hf_tidar.cdlm.training import CdlmCollator, CdlmTrainer, lora_student
 from hf_tidar.cdlm.trajectories import collect_trajectories
 from hf_tidar.prompt_encoding import left_pad
@@ -158,9 +165,9 @@ def train_from_scratch(
 
 
 def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problems: int = 100,
-                       changes: int = SHORT_CHANGES) -> float:
+                       changes: int = SHORT_CHANGES, numbered: bool = False) -> float:
     """Answer accuracy of plain AR greedy decoding on held-out problems (how much the warm start knows)."""
-    _, test = split(train_count, problems, changes=changes)
+    _, test = split(train_count, problems, changes=changes, numbered=numbered)
     texts = []
     for problem in test:
         ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -203,12 +210,16 @@ def main(argv: list[str] | None = None) -> dict:
                         help=f"changes per problem: {SHORT_CHANGES} (14-token solutions) or {LONG_CHANGES} (146 tokens)")
     parser.add_argument("--gen-len", type=int, default=16,
                         help="generated tokens; at least the solution + EOS (16 for 2 changes, 160 for 24)")
+    parser.add_argument("--numbered", action="store_true",
+                        help=f"label change and step i with 'i:' ({LONG_NUMBERED_CHANGES} changes: 146-token solutions)")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--ar-steps", type=int, default=100000, help="AR warm start (Dream's recipe); 0: none")
     parser.add_argument("--ar-minutes", type=float, default=8, help="wall-time budget of the AR warm start")
     parser.add_argument("--ar-lr", type=float, default=3e-3)
+    parser.add_argument("--ar-from", type=Path, default=None,
+                        help="start the warm start from an earlier run's saved AR model (its --out/ar)")
     parser.add_argument("--teacher-steps", type=int, default=100000)
     parser.add_argument("--teacher-minutes", type=float, default=12, help="wall-time budget of teacher training")
     parser.add_argument("--teacher-batch", type=int, default=64)
@@ -223,7 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = task_tokenizer()
-    problems = generate_problems(seed=0, count=args.train_problems, changes=args.changes)
+    problems = generate_problems(seed=0, count=args.train_problems, changes=args.changes, numbered=args.numbered)
     longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) for p in problems)
     if args.gen_len < longest + 1:
         parser.error(f"--gen-len {args.gen_len} cannot hold a {longest}-token solution and its EOS; "
@@ -235,14 +246,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     start, ar_losses, ar_accuracy = time.time(), [], None
     if args.ar_steps:
-        ar_model = LlamaForCausalLM(backbone_config(tokenizer, args.hidden, args.layers, max_positions))
+        if args.ar_from is not None:  # continue an earlier run's warm start (a new schedule)
+            ar_model = LlamaForCausalLM.from_pretrained(args.ar_from)
+        else:
+            ar_model = LlamaForCausalLM(backbone_config(tokenizer, args.hidden, args.layers, max_positions))
         ar_losses = train_from_scratch(
             ar_model, ar_loss, tokenizer, problems, args.gen_len, args.ar_steps, args.teacher_batch, args.ar_lr,
             args.ar_minutes, name="ar warm start",
         )
+        ar_model.save_pretrained(args.out / "ar")
         timings["ar_warm_start_s"] = time.time() - start
         ar_accuracy = ar_greedy_accuracy(ar_model, tokenizer, args.train_problems, args.gen_len,
-                                         changes=args.changes)
+                                         changes=args.changes, numbered=args.numbered)
         print(f"ar warm start: greedy accuracy on 100 held-out problems {ar_accuracy:.2f}", flush=True)
         teacher = teacher_from_ar(ar_model, tokenizer, args.block_size)
     else:

@@ -35,6 +35,7 @@ def run(tmp_path_factory) -> Path:
 
 def test_example_saves_teacher_student_and_log(run):
     summary = json.loads((run / "pipeline.json").read_text())
+    assert (run / "ar" / "config.json").exists()  # the warm start, for --ar-from
     assert {"ar_warm_start_s", "teacher_training_s", "trajectories_s", "distillation_s"} <= set(summary["timings"])
     assert 0.0 <= summary["ar_accuracy"] <= 1.0
     teacher = CdlmForCausalLM.from_pretrained(run / "teacher")
@@ -108,7 +109,12 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
               "--student-batch", "4", "--lora-rank", "4", "--changes", "4", "--block-size", "8"]
     with pytest.raises(SystemExit):  # 4 changes: 4 steps of 6 tokens + "#### n" = 26 tokens, plus EOS
         example.main(["--out", str(tmp_path / "short"), *common, "--gen-len", "16"])
-    summary = example.main(["--out", str(tmp_path / "long"), *common, "--gen-len", "32"])
-    assert summary["args"]["changes"] == "4"
+    first = example.main(["--out", str(tmp_path / "first"), *common, "--gen-len", "32"])
+    assert first["args"]["changes"] == "4" and first["ar_losses"] == []  # --ar-steps 0: no warm start
+    common[common.index("--ar-steps") + 1] = "2"
+    example.main(["--out", str(tmp_path / "ar"), *common, "--gen-len", "32"])
+    summary = example.main(["--out", str(tmp_path / "long"), *common, "--gen-len", "32",
+                            "--ar-from", str(tmp_path / "ar" / "ar")])
+    assert summary["args"]["ar_from"] == str(tmp_path / "ar" / "ar")
     teacher = CdlmForCausalLM.from_pretrained(tmp_path / "long" / "teacher")
     assert teacher.config.get_text_config().max_position_embeddings >= 29 + 512  # longest prompt + the length benchmark

@@ -11,7 +11,10 @@ keeps a CPU teacher's training in minutes.
 
 A long variant (``changes=24``, :data:`LONG_CHANGES`) has 24 changes instead of 2: its solution is 146
 tokens (24 steps of 6 tokens, then ``#### answer``), the regime where a block KV cache pays (CDLM's paper
-decodes 256-token answers in blocks of 32). Its answers are checked the same way.
+decodes 256-token answers in blocks of 32). Its answers are checked the same way. To write step ``i`` a
+model must find the ``i``-th change of the question by counting sentences, which a small CPU-trained
+model did not learn in 25 minutes; ``numbered=True`` labels change and step ``i`` with ``i:``, so the
+lookup is by content. Numbered, :data:`LONG_NUMBERED_CHANGES` (18) changes give 146 tokens too.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ MAX_AMOUNT = 99
 SHORT_CHANGES = 2
 LONG_CHANGES = 24
 """Changes per problem of the long variant: 24 steps of ``a+n=b.`` (6 tokens each) plus ``#### b``."""
+LONG_NUMBERED_CHANGES = 18
+"""Changes of the numbered long variant: 18 steps of ``i: a+n=b.`` (8 tokens each) plus ``#### b``."""
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                   "mask_token": "[MASK]"}
 
@@ -42,24 +47,31 @@ class Problem:
     answer: int
 
 
-def make_problem(rng: random.Random, changes: int = SHORT_CHANGES) -> Problem:
-    """One random problem with ``changes`` gains or losses; every intermediate amount stays in 0..99."""
+def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: bool = False) -> Problem:
+    """One random problem with ``changes`` gains or losses; every intermediate amount stays in 0..99.
+
+    ``numbered``: change ``i`` is written ``i: Name loses n.`` in the question and its step ``i: a-n=b.``
+    in the solution, so each step can look its change up by its number instead of counting sentences.
+    """
     if not isinstance(changes, int) or changes < 1:
         raise ValueError(f"changes must be a positive integer, got {changes!r}.")
+    if numbered and changes > MAX_AMOUNT:
+        raise ValueError(f"numbered problems have at most {MAX_AMOUNT} changes, got {changes}.")
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     amount = rng.randint(2, 30)
     sentences, steps = [f"{name} has {amount} {item}."], []
-    for _ in range(changes):
+    for index in range(1, changes + 1):
+        label = f"{index}: " if numbered else ""
         # A gain that would pass 99 becomes a loss (the vocabulary holds 0..99 only).
         if amount > 1 and (rng.random() < 0.5 or amount + 9 > MAX_AMOUNT):
             n = rng.randint(1, min(amount, 9))
-            sentences.append(f"{name} {rng.choice(LOSSES).format(n=n)}.")
-            steps.append(f"{amount}-{n}={amount - n}.")
+            sentences.append(f"{label}{name} {rng.choice(LOSSES).format(n=n)}.")
+            steps.append(f"{label}{amount}-{n}={amount - n}.")
             amount -= n
         else:
             n = rng.randint(1, 9)
-            sentences.append(f"{name} {rng.choice(GAINS).format(n=n)}.")
-            steps.append(f"{amount}+{n}={amount + n}.")
+            sentences.append(f"{label}{name} {rng.choice(GAINS).format(n=n)}.")
+            steps.append(f"{label}{amount}+{n}={amount + n}.")
             amount += n
     question = " ".join(sentences) + f" How many {item}?\nA:"
     return Problem(question, " " + " ".join(steps) + f" #### {amount}", amount)
@@ -92,20 +104,20 @@ def task_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **SPECIAL_TOKENS)
 
 
-def generate_problems(seed: int, count: int, changes: int = SHORT_CHANGES) -> list[Problem]:
+def generate_problems(seed: int, count: int, changes: int = SHORT_CHANGES, numbered: bool = False) -> list[Problem]:
     """``count`` problems from ``seed`` (the same seed always gives the same list)."""
     rng = random.Random(seed)
-    return [make_problem(rng, changes) for _ in range(count)]
+    return [make_problem(rng, changes, numbered) for _ in range(count)]
 
 
 def split(train_count: int, test_count: int, train_seed: int = 0, test_seed: int = 1,
-          changes: int = SHORT_CHANGES) -> tuple[list, list]:
+          changes: int = SHORT_CHANGES, numbered: bool = False) -> tuple[list, list]:
     """Train and held-out test problems from different seeds, no test question occurring in train."""
-    train = generate_problems(train_seed, train_count, changes)
+    train = generate_problems(train_seed, train_count, changes, numbered)
     seen = {p.question for p in train}
     rng, test = random.Random(test_seed), []
     while len(test) < test_count:
-        problem = make_problem(rng, changes)
+        problem = make_problem(rng, changes, numbered)
         if problem.question not in seen:
             test.append(problem)
     return train, test
@@ -115,3 +127,11 @@ def extract_answer(text: str) -> int | None:
     """The integer after the first ``####``, or ``None``."""
     match = ANSWER_PATTERN.search(text)
     return int(match.group(1)) if match else None
+
+
+def split_for_run(run_args: dict, test_count: int) -> tuple[list, list]:
+    """The split a training run used, from its recorded arguments (``train_problems``, ``changes``,
+    ``numbered``; values may be strings, as ``examples/cdlm_arithmetic.py`` writes them to JSON)."""
+    changes = int(run_args.get("changes", SHORT_CHANGES))  # runs made before --changes had 2
+    numbered = str(run_args.get("numbered", False)) == "True"
+    return split(int(run_args["train_problems"]), test_count, changes=changes, numbered=numbered)
