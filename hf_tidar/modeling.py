@@ -319,6 +319,12 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             soft[TEACHER_IDS][targets], soft[TEACHER_LOGPROBS][targets], soft[SLOT_WEIGHTS],
         )
 
+    def rendered_layout(self, layout: AttentionLayout) -> tuple[object, torch.Tensor]:
+        """``layout``'s mask in the backbone's attention format, and its query position ids: what
+        :meth:`structured_hidden_states` takes as ``mask`` and ``position_ids``, for passes that share a layout."""
+        mask = render_mask(layout, self.model.config._attn_implementation, self.get_input_embeddings().weight.dtype)
+        return mask, layout.query_position_ids
+
     def structured_hidden_states(
         self,
         input_ids: torch.Tensor,
@@ -339,9 +345,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         (a lean gated adapter then needs no search of ``input_ids``).
         """
         if layout is not None:
-            attn_impl = self.model.config._attn_implementation
-            mask = render_mask(layout, attn_impl, self.get_input_embeddings().weight.dtype)
-            position_ids = layout.query_position_ids
+            mask, position_ids = self.rendered_layout(layout)
         tail = getattr(self, "mask_tail", None)
         fixed = tail.fixed_at(mask_tail_start) if tail is not None and mask_tail_start is not None else nullcontext()
         with fixed:

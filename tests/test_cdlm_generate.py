@@ -178,7 +178,7 @@ def test_batched_equals_per_row_with_eos_and_finished_rows_leave_the_batch(decod
 def test_masks_are_rendered_once_per_layout_and_processors_once_per_pass(decoder, monkeypatch):
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from hf_tidar.cdlm import decoding
+    from hf_tidar import modeling
 
     class Counting(LogitsProcessor):
         calls = 0
@@ -188,8 +188,8 @@ def test_masks_are_rendered_once_per_layout_and_processors_once_per_pass(decoder
             return scores
 
     renders = []
-    original = decoding.render_mask
-    monkeypatch.setattr(decoding, "render_mask", lambda *a, **k: renders.append(1) or original(*a, **k))
+    original = modeling.render_mask
+    monkeypatch.setattr(modeling, "render_mask", lambda *a, **k: renders.append(1) or original(*a, **k))
     student = peaky_student(seed=2, scale=1.0)  # no probability reaches 1.0: threshold 1.0 is one token per pass
     ids = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(3))
     out = student.generate(ids, max_new_tokens=16, threshold=1.0, eos_token_id=None, return_dict_in_generate=True,

@@ -30,7 +30,7 @@ from .._warning_stacklevel import user_stacklevel
 from ..cache import DraftCache
 from ..generation.outputs import StrategyGenerateOutput
 from ..generation.processors import refuse_stateful
-from ..masks import AttentionLayout, render_mask
+from ..masks import AttentionLayout
 
 
 class BlockDecoder:
@@ -228,15 +228,6 @@ def _sequence_layout(model, attention_mask: torch.Tensor, decoder: BlockDecoder)
     return model.attention_layout(valid, attention_mask.sum(-1, keepdim=True))
 
 
-def _rendered(model, layout: AttentionLayout) -> tuple[object, torch.Tensor]:
-    """``layout``'s mask in the backbone's attention format and its query position ids.
-
-    Rendered once and passed to every pass that shares the layout, instead of once per pass.
-    """
-    mask = render_mask(layout, model.model.config._attn_implementation, model.get_input_embeddings().weight.dtype)
-    return mask, layout.query_position_ids
-
-
 def _forward(model, input_ids: torch.Tensor, rendered: tuple[object, torch.Tensor], cache=None) -> torch.Tensor:
     """The backbone's last hidden states over ``input_ids`` under an already rendered mask."""
     mask, position_ids = rendered
@@ -252,7 +243,7 @@ def run_dlm(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_cr
     layout = _sequence_layout(model, attention_mask, decoder)
     shift = int(model.config.shift_logits)
     live = decoder.live_rows()
-    rendered = _rendered(model, layout.select_rows(live))
+    rendered = model.rendered_layout(layout.select_rows(live))
     for start, end in decoder.blocks():
         while decoder.pending(start, end):
             hidden = _forward(model, torch.cat([input_ids[live], decoder.tokens[live]], dim=1), rendered)
@@ -261,7 +252,7 @@ def run_dlm(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_cr
             break
         if len(decoder.live_rows()) < len(live):
             live = decoder.live_rows()
-            rendered = _rendered(model, layout.select_rows(live))
+            rendered = model.rendered_layout(layout.select_rows(live))
 
 
 def run_dlm_dual_cache(model, input_ids, attention_mask, decoder: BlockDecoder, stopping_criteria=None,
@@ -282,10 +273,10 @@ def run_dlm_dual_cache(model, input_ids, attention_mask, decoder: BlockDecoder, 
         layout = full_layout.select_rows(live)
         cache = DraftCache(config=model.config.get_text_config())
         sequence = torch.cat([input_ids[live], decoder.tokens[live]], dim=1)
-        hidden = _forward(model, sequence, _rendered(model, layout), cache)
+        hidden = _forward(model, sequence, model.rendered_layout(layout), cache)
         outside = torch.cat([torch.arange(low), torch.arange(high, layout.kv_len)]).to(layout.valid.device)
         cache.gather_tokens(outside.expand(layout.batch_size, -1))
-        block_rendered = _rendered(model, _outside_then_span(layout, outside, low, high))
+        block_rendered = model.rendered_layout(_outside_then_span(layout, outside, low, high))
         decoder.finalise(start, end, hidden[:, low : low + end - start], live)
         while decoder.pending(start, end):
             span = torch.cat([input_ids[live], decoder.tokens[live]], dim=1)[:, low:high]
@@ -368,12 +359,12 @@ def cdlm_decode(
             if first:
                 query = torch.cat([pending, block], dim=1)
                 keys = torch.cat([committed, pending_valid, block_valid], dim=1)
-                rendered = _rendered(model, model.attention_layout(keys, prompt_len[live], query.shape[1]))
+                rendered = model.rendered_layout(model.attention_layout(keys, prompt_len[live], query.shape[1]))
             else:  # the block's later passes share one layout: the committed prefix, then the block
                 query = block
                 if block_rendered is None:
                     keys = torch.cat([committed, block_valid], dim=1)
-                    block_rendered = _rendered(model, model.attention_layout(keys, prompt_len[live], query.shape[1]))
+                    block_rendered = model.rendered_layout(model.attention_layout(keys, prompt_len[live], query.shape[1]))
                 rendered = block_rendered
             hidden = _forward(model, query, rendered, cache)
             if first:
