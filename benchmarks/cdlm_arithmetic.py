@@ -60,6 +60,18 @@ def evaluate(model, tokenizer, problems, gen_len: int, batch_size: int = 1, **ge
     }
 
 
+def comparison_decoders(teacher, student, threshold: float) -> dict[str, tuple[object, dict]]:
+    """The rows of the comparison, name -> (model, ``generate`` arguments): the teacher's vanilla decoding,
+    its Fast-dLLM threshold rule with full recomputation and with the dual cache, and the CDLM student."""
+    return {
+        "teacher, vanilla": (teacher, dict(strategy="dlm", threshold=None)),
+        f"teacher, threshold {threshold}": (teacher, dict(strategy="dlm", threshold=threshold)),
+        f"teacher, threshold {threshold}, Fast-dLLM dual cache": (
+            teacher, dict(strategy="dlm", threshold=threshold, dual_cache=True)),
+        f"CDLM student, threshold {threshold}": (student, dict(strategy="cdlm", threshold=threshold)),
+    }
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, default=Path("runs/cdlm-arith"), help="the example's --out folder")
@@ -80,13 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
     teacher = AutoModelForCausalLM.from_pretrained(args.run / "teacher").eval()
     student = AutoModelForCausalLM.from_pretrained(args.run / "student").eval()
-    decoders = {
-        "teacher, vanilla": (teacher, dict(strategy="dlm", threshold=None)),
-        f"teacher, threshold {args.threshold}": (teacher, dict(strategy="dlm", threshold=args.threshold)),
-        f"teacher, threshold {args.threshold}, Fast-dLLM dual cache": (
-            teacher, dict(strategy="dlm", threshold=args.threshold, dual_cache=True)),
-        f"CDLM student, threshold {args.threshold}": (student, dict(strategy="cdlm", threshold=args.threshold)),
-    }
+    decoders = comparison_decoders(teacher, student, args.threshold)
     if args.undistilled:  # ablation: what the distillation adds over the teacher's weights under the same mask
         copy = CdlmForCausalLM.from_dlm(teacher, attention_mode="block_causal", block_size=student.config.block_size)
         copy.generation_config = student.generation_config

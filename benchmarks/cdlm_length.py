@@ -17,6 +17,7 @@ block against the exact cache of the finished ones. Writes ``length.json`` and `
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import platform
 import statistics
@@ -30,15 +31,12 @@ import hf_tidar  # noqa: F401  (registers the cdlm model type)
 from hf_tidar.cdlm.arithmetic import split_for_run
 
 
-def decoders(teacher, student, threshold: float) -> dict[str, tuple[object, dict]]:
-    """The rows of the comparison: the teacher's three decoders and the student."""
-    return {
-        "teacher, vanilla": (teacher, dict(strategy="dlm", threshold=None)),
-        f"teacher, threshold {threshold}": (teacher, dict(strategy="dlm", threshold=threshold)),
-        f"teacher, threshold {threshold}, Fast-dLLM dual cache": (
-            teacher, dict(strategy="dlm", threshold=threshold, dual_cache=True)),
-        f"CDLM student, threshold {threshold}": (student, dict(strategy="cdlm", threshold=threshold)),
-    }
+def _load_sibling(name: str):
+    """A script of this folder as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"_{name}", Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def time_length(model, tokenizer, problems, length: int, **kwargs) -> dict:
@@ -108,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
     teacher = AutoModelForCausalLM.from_pretrained(args.run / "teacher").eval()
     student = AutoModelForCausalLM.from_pretrained(args.run / "student").eval()
-    rows = decoders(teacher, student, args.threshold)
+    rows = _load_sibling("cdlm_arithmetic").comparison_decoders(teacher, student, args.threshold)
     for model, kwargs in rows.values():  # warm-up
         time_length(model, tokenizer, test[:1], min(args.lengths), **kwargs)
     results: dict[str, dict] = {name: {} for name in rows}
