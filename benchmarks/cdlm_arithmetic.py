@@ -7,6 +7,9 @@ the CDLM student (threshold rule + exact block KV cache).
 Reports answer accuracy, forward passes, tokens per pass and tokens/s (generated tokens up to and
 including EOS, divided by the wall time of ``generate``).
 
+``--threshold 0.9 0.7 0.5`` sweeps the threshold decoders, so each is seen at several speed/accuracy
+points and decoders can be compared at equal accuracy.
+
 Decoders run interleaved, ``--repeats`` times after a warm-up; tokens/s is the median over the repeats.
 
     python benchmarks/cdlm_arithmetic.py --run runs/cdlm-arith --problems 100
@@ -60,23 +63,26 @@ def evaluate(model, tokenizer, problems, gen_len: int, batch_size: int = 1, **ge
     }
 
 
-def comparison_decoders(teacher, student, threshold: float) -> dict[str, tuple[object, dict]]:
+def comparison_decoders(teacher, student, thresholds: list[float]) -> dict[str, tuple[object, dict]]:
     """The rows of the comparison, name -> (model, ``generate`` arguments): the teacher's vanilla decoding,
-    its Fast-dLLM threshold rule with full recomputation and with the dual cache, and the CDLM student."""
-    return {
-        "teacher, vanilla": (teacher, dict(strategy="dlm", threshold=None)),
-        f"teacher, threshold {threshold}": (teacher, dict(strategy="dlm", threshold=threshold)),
-        f"teacher, threshold {threshold}, Fast-dLLM dual cache": (
-            teacher, dict(strategy="dlm", threshold=threshold, dual_cache=True)),
-        f"CDLM student, threshold {threshold}": (student, dict(strategy="cdlm", threshold=threshold)),
-    }
+    then for each confidence threshold its Fast-dLLM threshold rule with full recomputation and with the
+    dual cache, and the CDLM student. Several thresholds trace each decoder's speed against its accuracy,
+    so decoders can be compared at equal accuracy rather than at an equal setting."""
+    rows = {"teacher, vanilla": (teacher, dict(strategy="dlm", threshold=None))}
+    for threshold in thresholds:
+        rows[f"teacher, threshold {threshold}"] = (teacher, dict(strategy="dlm", threshold=threshold))
+        rows[f"teacher, threshold {threshold}, Fast-dLLM dual cache"] = (
+            teacher, dict(strategy="dlm", threshold=threshold, dual_cache=True))
+        rows[f"CDLM student, threshold {threshold}"] = (student, dict(strategy="cdlm", threshold=threshold))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", type=Path, default=Path("runs/cdlm-arith"), help="the example's --out folder")
     parser.add_argument("--problems", type=int, default=100)
-    parser.add_argument("--threshold", type=float, default=0.9)
+    parser.add_argument("--threshold", type=float, nargs="+", default=[0.9],
+                        help="confidence threshold(s) of the threshold decoders; several give a speed/accuracy sweep")
     parser.add_argument("--undistilled", action="store_true", help="add the block-causal teacher copy (ablation)")
     parser.add_argument("--batch-size", type=int, default=1, help="problems decoded together (left-padded)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs over all problems (median tokens/s)")
@@ -96,9 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.undistilled:  # ablation: what the distillation adds over the teacher's weights under the same mask
         copy = CdlmForCausalLM.from_dlm(teacher, attention_mode="block_causal", block_size=student.config.block_size)
         copy.generation_config = student.generation_config
-        decoders[f"block-causal teacher copy (no distillation), threshold {args.threshold}"] = (
-            copy.eval(), dict(strategy="cdlm", threshold=args.threshold)
-        )
+        for threshold in args.threshold:
+            decoders[f"block-causal teacher copy (no distillation), threshold {threshold}"] = (
+                copy.eval(), dict(strategy="cdlm", threshold=threshold)
+            )
     for model, kwargs in decoders.values():  # warm-up
         evaluate(model, tokenizer, test[: 2 * args.batch_size], gen_len, args.batch_size, **kwargs)
     runs = {name: [] for name in decoders}

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
     teacher = AutoModelForCausalLM.from_pretrained(args.run / "teacher").eval()
     student = AutoModelForCausalLM.from_pretrained(args.run / "student").eval()
-    rows = _load_sibling("cdlm_arithmetic").comparison_decoders(teacher, student, args.threshold)
+    rows = _load_sibling("cdlm_arithmetic").comparison_decoders(teacher, student, [args.threshold])
     for model, kwargs in rows.values():  # warm-up
         time_length(model, tokenizer, test[:1], min(args.lengths), **kwargs)
     results: dict[str, dict] = {name: {} for name in rows}

@@ -63,6 +63,17 @@ def test_benchmark_reports_every_decoder(run, tmp_path):
     assert json.loads((tmp_path / "r.json").read_text()).keys() == rows.keys()
 
 
+def test_benchmark_sweeps_thresholds(run):
+    bench = load_script("benchmarks/cdlm_arithmetic.py")
+    rows = bench.main(["--run", str(run), "--problems", "2", "--repeats", "1", "--threshold", "0.9", "0.3"])
+    assert list(rows) == ["teacher, vanilla"] + [
+        name.format(t) for t in (0.9, 0.3) for name in
+        ("teacher, threshold {}", "teacher, threshold {}, Fast-dLLM dual cache", "CDLM student, threshold {}")
+    ]
+    for name in ("teacher, threshold {}", "CDLM student, threshold {}"):  # a lower bar finalises more per pass
+        assert rows[name.format(0.3)]["tokens_per_pass"] >= rows[name.format(0.9)]["tokens_per_pass"] * 0.9
+
+
 def test_ar_warm_start_loss_labels_the_solution_and_its_first_eos_only():
     example = load_script("examples/cdlm_arithmetic.py")
     seen = {}
