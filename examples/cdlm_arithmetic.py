@@ -165,9 +165,9 @@ def train_from_scratch(
 
 
 def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problems: int = 100,
-                       changes: int = SHORT_CHANGES, numbered: bool = False) -> float:
+                       changes: int = SHORT_CHANGES, numbered: bool = False, signed: bool = False) -> float:
     """Answer accuracy of plain AR greedy decoding on held-out problems (how much the warm start knows)."""
-    _, test = split(train_count, problems, changes=changes, numbered=numbered)
+    _, test = split(train_count, problems, changes=changes, numbered=numbered, signed=signed)
     texts = []
     for problem in test:
         ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -212,6 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="generated tokens; at least the solution + EOS (16 for 2 changes, 160 for 24)")
     parser.add_argument("--numbered", action="store_true",
                         help=f"label change and step i with 'i:' ({LONG_NUMBERED_CHANGES} changes: 146-token solutions)")
+    parser.add_argument("--signed", action="store_true",
+                        help="also write each change's signed amount, 'loses 3 (-3).' (steps copy the sign)")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)
     tokenizer = task_tokenizer()
-    problems = generate_problems(seed=0, count=args.train_problems, changes=args.changes, numbered=args.numbered)
+    problems = generate_problems(seed=0, count=args.train_problems, changes=args.changes, numbered=args.numbered,
+                                 signed=args.signed)
     longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) for p in problems)
     if args.gen_len < longest + 1:
         parser.error(f"--gen-len {args.gen_len} cannot hold a {longest}-token solution and its EOS; "
@@ -248,6 +251,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.ar_steps:
         if args.ar_from is not None:  # continue an earlier run's warm start (a new schedule)
             ar_model = LlamaForCausalLM.from_pretrained(args.ar_from)
+            if ar_model.config.vocab_size < len(tokenizer):  # saved before the task's vocabulary grew
+                ar_model.resize_token_embeddings(len(tokenizer))
         else:
             ar_model = LlamaForCausalLM(backbone_config(tokenizer, args.hidden, args.layers, max_positions))
         ar_losses = train_from_scratch(
@@ -257,7 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
         ar_model.save_pretrained(args.out / "ar")
         timings["ar_warm_start_s"] = time.time() - start
         ar_accuracy = ar_greedy_accuracy(ar_model, tokenizer, args.train_problems, args.gen_len,
-                                         changes=args.changes, numbered=args.numbered)
+                                         changes=args.changes, numbered=args.numbered, signed=args.signed)
         print(f"ar warm start: greedy accuracy on 100 held-out problems {ar_accuracy:.2f}", flush=True)
         teacher = teacher_from_ar(ar_model, tokenizer, args.block_size)
     else:

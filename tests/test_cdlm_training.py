@@ -165,15 +165,15 @@ def test_task_tokenizer_covers_the_task_with_whole_words(tmp_path):
     assert tok.convert_ids_to_tokens(tok("17+8=25.", add_special_tokens=False)["input_ids"]) == ["17", "+", "8", "=", "25", "."]
 
 
-@pytest.mark.parametrize("numbered", [False, True])
-def test_long_arithmetic_problems_have_checkable_solutions_of_at_least_128_tokens(numbered):
+@pytest.mark.parametrize("numbered, signed", [(False, False), (True, False), (True, True)])
+def test_long_arithmetic_problems_have_checkable_solutions_of_at_least_128_tokens(numbered, signed):
     import re
 
     from hf_tidar.cdlm.arithmetic import LONG_CHANGES, LONG_NUMBERED_CHANGES, MAX_AMOUNT, task_tokenizer
 
     tok = task_tokenizer()
     changes = LONG_NUMBERED_CHANGES if numbered else LONG_CHANGES
-    train, test = split(100, 30, changes=changes, numbered=numbered)
+    train, test = split(100, 30, changes=changes, numbered=numbered, signed=signed)
     assert not {p.question for p in train} & {p.question for p in test}
     for problem in train + test:
         ids = tok(problem.question + problem.solution, add_special_tokens=False)["input_ids"]
@@ -181,10 +181,12 @@ def test_long_arithmetic_problems_have_checkable_solutions_of_at_least_128_token
         assert len(tok(problem.solution, add_special_tokens=False)["input_ids"]) == 146
         if numbered:  # step i is labelled "i:", as its change in the question is
             assert re.findall(r"(\d+): \d+[+-]", problem.solution) == [str(i) for i in range(1, changes + 1)]
-            changes_asked = re.findall(r"(\d+): [A-Z][a-z]+ (buys|gets|finds|gives away|loses|sells) (\d+)\.",
-                                       problem.question)
+            changes_asked = re.findall(
+                r"(\d+): [A-Z][a-z]+ (buys|gets|finds|gives away|loses|sells) (\d+)( \([+-]\d+\))?\.", problem.question)
             written = re.findall(r"\d+: \d+([+-])(\d+)=", problem.solution)
-            assert [("+" if verb in ("buys", "gets", "finds") else "-", n) for _, verb, n in changes_asked] == written
+            assert [("+" if verb in ("buys", "gets", "finds") else "-", n) for _, verb, n, _ in changes_asked] == written
+            # signed: the change states the step's own signed amount; unsigned: it does not
+            assert [s for *_, s in changes_asked] == ([f" ({sign}{n})" for sign, n in written] if signed else [""] * changes)
         # Every written step is true arithmetic, chained from the question's starting amount to the answer.
         steps = re.findall(r"(\d+)([+-])(\d+)=(\d+)\.", problem.solution)
         assert len(steps) == changes

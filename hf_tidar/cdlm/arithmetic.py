@@ -15,6 +15,11 @@ decodes 256-token answers in blocks of 32). Its answers are checked the same way
 model must find the ``i``-th change of the question by counting sentences, which a small CPU-trained
 model did not learn in 25 minutes; ``numbered=True`` labels change and step ``i`` with ``i:``, so the
 lookup is by content. Numbered, :data:`LONG_NUMBERED_CHANGES` (18) changes give 146 tokens too.
+
+A numbered model of 0.8M parameters trained as an AR model for 50 CPU minutes copied every step's
+amount from its change but wrote the sign at chance: it did not learn to read gain or loss from the verb.
+``signed=True`` also writes each change's signed amount after it (``2: Ann loses 3 (-3).``), so a step
+copies sign and amount from one place; the question keeps its words, and the solution is unchanged.
 """
 
 from __future__ import annotations
@@ -47,11 +52,14 @@ class Problem:
     answer: int
 
 
-def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: bool = False) -> Problem:
+def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: bool = False,
+                 signed: bool = False) -> Problem:
     """One random problem with ``changes`` gains or losses; every intermediate amount stays in 0..99.
 
     ``numbered``: change ``i`` is written ``i: Name loses n.`` in the question and its step ``i: a-n=b.``
     in the solution, so each step can look its change up by its number instead of counting sentences.
+    ``signed``: each change also states its signed amount, ``Name loses n (-n).``; the solution is unchanged.
+    The random draws do not depend on either option, so the same seed gives the same problems' numbers.
     """
     if not isinstance(changes, int) or changes < 1:
         raise ValueError(f"changes must be a positive integer, got {changes!r}.")
@@ -65,12 +73,14 @@ def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: boo
         # A gain that would pass 99 becomes a loss (the vocabulary holds 0..99 only).
         if amount > 1 and (rng.random() < 0.5 or amount + 9 > MAX_AMOUNT):
             n = rng.randint(1, min(amount, 9))
-            sentences.append(f"{label}{name} {rng.choice(LOSSES).format(n=n)}.")
+            signed_amount = f" (-{n})" if signed else ""
+            sentences.append(f"{label}{name} {rng.choice(LOSSES).format(n=n)}{signed_amount}.")
             steps.append(f"{label}{amount}-{n}={amount - n}.")
             amount -= n
         else:
             n = rng.randint(1, 9)
-            sentences.append(f"{label}{name} {rng.choice(GAINS).format(n=n)}.")
+            signed_amount = f" (+{n})" if signed else ""
+            sentences.append(f"{label}{name} {rng.choice(GAINS).format(n=n)}{signed_amount}.")
             steps.append(f"{label}{amount}+{n}={amount + n}.")
             amount += n
     question = " ".join(sentences) + f" How many {item}?\nA:"
@@ -83,6 +93,7 @@ def task_vocabulary() -> list[str]:
     words += ["####", ".", "?", "+", "-", "=", ":", "A", "How", "many", "has", *NAMES, *ITEMS]
     for phrase in GAINS + LOSSES:
         words += [w for w in phrase.split() if w != "{n}"]
+    words += ["(", ")"]  # signed amounts; last, so the ids of the earlier tokens did not change
     return list(dict.fromkeys(words))
 
 
@@ -104,20 +115,21 @@ def task_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **SPECIAL_TOKENS)
 
 
-def generate_problems(seed: int, count: int, changes: int = SHORT_CHANGES, numbered: bool = False) -> list[Problem]:
+def generate_problems(seed: int, count: int, changes: int = SHORT_CHANGES, numbered: bool = False,
+                      signed: bool = False) -> list[Problem]:
     """``count`` problems from ``seed`` (the same seed always gives the same list)."""
     rng = random.Random(seed)
-    return [make_problem(rng, changes, numbered) for _ in range(count)]
+    return [make_problem(rng, changes, numbered, signed) for _ in range(count)]
 
 
 def split(train_count: int, test_count: int, train_seed: int = 0, test_seed: int = 1,
-          changes: int = SHORT_CHANGES, numbered: bool = False) -> tuple[list, list]:
+          changes: int = SHORT_CHANGES, numbered: bool = False, signed: bool = False) -> tuple[list, list]:
     """Train and held-out test problems from different seeds, no test question occurring in train."""
-    train = generate_problems(train_seed, train_count, changes, numbered)
+    train = generate_problems(train_seed, train_count, changes, numbered, signed)
     seen = {p.question for p in train}
     rng, test = random.Random(test_seed), []
     while len(test) < test_count:
-        problem = make_problem(rng, changes, numbered)
+        problem = make_problem(rng, changes, numbered, signed)
         if problem.question not in seen:
             test.append(problem)
     return train, test
@@ -131,7 +143,8 @@ def extract_answer(text: str) -> int | None:
 
 def split_for_run(run_args: dict, test_count: int) -> tuple[list, list]:
     """The split a training run used, from its recorded arguments (``train_problems``, ``changes``,
-    ``numbered``; values may be strings, as ``examples/cdlm_arithmetic.py`` writes them to JSON)."""
+    ``numbered``, ``signed``; values may be strings, as ``examples/cdlm_arithmetic.py`` writes them to JSON)."""
     changes = int(run_args.get("changes", SHORT_CHANGES))  # runs made before --changes had 2
     numbered = str(run_args.get("numbered", False)) == "True"
-    return split(int(run_args["train_problems"]), test_count, changes=changes, numbered=numbered)
+    signed = str(run_args.get("signed", False)) == "True"
+    return split(int(run_args["train_problems"]), test_count, changes=changes, numbered=numbered, signed=signed)
