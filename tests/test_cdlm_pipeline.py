@@ -129,3 +129,17 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     assert summary["args"]["ar_from"] == str(tmp_path / "ar" / "ar")
     teacher = CdlmForCausalLM.from_pretrained(tmp_path / "long" / "teacher")
     assert teacher.config.get_text_config().max_position_embeddings >= 29 + 512  # longest prompt + the length benchmark
+    # A warm start saved before the vocabulary gained "(" and ")" continues on the signed task, resized.
+    from transformers import LlamaForCausalLM
+
+    from hf_tidar.cdlm.arithmetic import task_tokenizer
+
+    vocab = len(task_tokenizer())
+    old = LlamaForCausalLM.from_pretrained(tmp_path / "ar" / "ar")
+    old.resize_token_embeddings(vocab - 2)
+    old.save_pretrained(tmp_path / "old-ar")
+    example.main(["--out", str(tmp_path / "signed"), *common, "--gen-len", "40", "--numbered", "--signed",
+                  "--ar-from", str(tmp_path / "old-ar")])
+    signed = CdlmForCausalLM.from_pretrained(tmp_path / "signed" / "teacher")
+    assert signed.config.get_text_config().vocab_size == vocab
+    assert json.loads((tmp_path / "signed" / "pipeline.json").read_text())["args"]["signed"] == "True"
