@@ -222,6 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ar-lr", type=float, default=3e-3)
     parser.add_argument("--ar-from", type=Path, default=None,
                         help="start the warm start from an earlier run's saved AR model (its --out/ar)")
+    parser.add_argument("--teacher-from", type=Path, default=None,
+                        help="continue an earlier run's diffusion teacher (its --out/teacher); no AR warm start")
     parser.add_argument("--teacher-steps", type=int, default=100000)
     parser.add_argument("--teacher-minutes", type=float, default=12, help="wall-time budget of teacher training")
     parser.add_argument("--teacher-batch", type=int, default=64)
@@ -247,8 +249,16 @@ def main(argv: list[str] | None = None) -> dict:
     max_positions = max(256, prompt_longest + max(512, args.gen_len))
     timings = {}
 
+    if args.teacher_from is not None and args.ar_from is not None:
+        parser.error("--teacher-from continues a diffusion teacher, which has no AR warm start: drop --ar-from.")
     start, ar_losses, ar_accuracy = time.time(), [], None
-    if args.ar_steps:
+    if args.teacher_from is not None:  # more diffusion training for an earlier run's teacher (a new schedule)
+        teacher = CdlmForCausalLM.from_pretrained(args.teacher_from)
+        if teacher.config.block_size != args.block_size:
+            parser.error(f"--teacher-from has block size {teacher.config.block_size}; pass --block-size "
+                         f"{teacher.config.block_size}.")
+        teacher = _with_generation_ids(teacher, tokenizer)
+    elif args.ar_steps:
         if args.ar_from is not None:  # continue an earlier run's warm start (a new schedule)
             ar_model = LlamaForCausalLM.from_pretrained(args.ar_from)
             if ar_model.config.vocab_size < len(tokenizer):  # saved before the task's vocabulary grew

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_tidar import CdlmForCausalLM
 
@@ -143,3 +144,14 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     signed = CdlmForCausalLM.from_pretrained(tmp_path / "signed" / "teacher")
     assert signed.config.get_text_config().vocab_size == vocab
     assert json.loads((tmp_path / "signed" / "pipeline.json").read_text())["args"]["signed"] == "True"
+    # More diffusion training for a saved teacher: it starts from those weights, with no warm start.
+    common[common.index("--ar-steps") + 1] = "0"
+    again = example.main(["--out", str(tmp_path / "again"), *common, "--gen-len", "40", "--numbered", "--signed",
+                          "--teacher-from", str(tmp_path / "signed" / "teacher"), "--teacher-lr", "0"])
+    assert again["ar_losses"] == [] and again["args"]["teacher_from"] == str(tmp_path / "signed" / "teacher")
+    continued = CdlmForCausalLM.from_pretrained(tmp_path / "again" / "teacher")
+    for name, weight in signed.state_dict().items():  # learning rate 0: the saved weights, unchanged
+        torch.testing.assert_close(continued.state_dict()[name], weight, msg=name)
+    with pytest.raises(SystemExit):
+        example.main(["--out", str(tmp_path / "bad"), *common, "--gen-len", "40", "--numbered", "--signed",
+                      "--teacher-from", str(tmp_path / "signed" / "teacher"), "--block-size", "16"])
