@@ -102,9 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.undistilled:  # ablation: what the distillation adds over the teacher's weights under the same mask
         copy = CdlmForCausalLM.from_dlm(teacher, attention_mode="block_causal", block_size=student.config.block_size)
         copy.generation_config = student.generation_config
+        copy.eval()
         for threshold in args.threshold:
             decoders[f"block-causal teacher copy (no distillation), threshold {threshold}"] = (
-                copy.eval(), dict(strategy="cdlm", threshold=threshold)
+                copy, dict(strategy="cdlm", threshold=threshold)
             )
     for model, kwargs in decoders.values():  # warm-up
         evaluate(model, tokenizer, test[: 2 * args.batch_size], gen_len, args.batch_size, **kwargs)
