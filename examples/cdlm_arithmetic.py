@@ -106,22 +106,51 @@ def ar_loss(model, prompts, targets, mask_id: int, pad_id: int, gen: torch.Gener
 
 
 def dlm_loss(model, prompts, targets, mask_id: int, pad_id: int, gen: torch.Generator) -> torch.Tensor:
-    """Masked-diffusion loss on the answers: ratio ``t ~ U(0, 1]`` per row, ``sum CE / (t * length)``.
-
-    Dream-style (shifted) models predict token ``j`` at position ``j - 1``.
-    """
+    """Masked-diffusion loss on the answers: ratio ``t ~ U(0, 1]`` per row, ``sum CE / (t * length)``."""
     ids, attention = left_pad([p + t for p, t in zip(prompts, targets, strict=True)], pad_id)
     gen_len = len(targets[0])
     t = 1 - torch.rand(len(prompts), 1, generator=gen)
-    masked = torch.zeros_like(ids, dtype=torch.bool)
-    masked[:, -gen_len:] = torch.rand(len(prompts), gen_len, generator=gen) < t
-    noisy = ids.masked_fill(masked, mask_id)
+    masked = torch.rand(len(prompts), gen_len, generator=gen) < t
+    return (_masked_ce(model, prompts, ids, attention, masked, masked, mask_id) / (t * gen_len)).mean()
+
+
+def dlm_block_loss(model, prompts, targets, mask_id: int, pad_id: int, gen: torch.Generator) -> torch.Tensor:
+    """Masked-diffusion loss on one block per row, in the state block decoding meets it.
+
+    Per row a block ``b`` of the answer is drawn: the blocks before it are clean, block ``b`` is masked at a
+    ratio ``t ~ U(0, 1]`` and every later block is fully masked, as when the semi-autoregressive decoder
+    works on block ``b``; the loss is ``sum CE / (t * block length)`` over block ``b``'s masked tokens. The
+    uniform loss (``dlm_loss``) also spends the model's capacity on states the decoder never shows it.
+    """
+    ids, attention = left_pad([p + t for p, t in zip(prompts, targets, strict=True)], pad_id)
+    rows, gen_len, block = len(prompts), len(targets[0]), model.config.block_size
+    start = torch.randint(math.ceil(gen_len / block), (rows, 1), generator=gen) * block
+    column = torch.arange(gen_len)
+    in_block = (column >= start) & (column < start + block)
+    t = 1 - torch.rand(rows, 1, generator=gen)
+    masked = (in_block & (torch.rand(rows, gen_len, generator=gen) < t)) | (column >= start + block)
+    ce = _masked_ce(model, prompts, ids, attention, masked, masked & in_block, mask_id)
+    return (ce / (t * in_block.sum(-1, keepdim=True))).mean()
+
+
+def _masked_ce(model, prompts, ids, attention, masked, scored, mask_id: int) -> torch.Tensor:
+    """Per row, the summed cross-entropy of the answer tokens in ``scored`` with those in ``masked`` (both
+    ``[rows, answer length]``) replaced by ``mask_id``. Dream-style (shifted) models predict token ``j`` at
+    position ``j - 1``."""
+    answer = slice(ids.shape[1] - masked.shape[1], None)
+    noisy = ids.clone()
+    noisy[:, answer] = noisy[:, answer].masked_fill(masked, mask_id)
+    loss_at = torch.zeros_like(ids, dtype=torch.bool)
+    loss_at[:, answer] = scored
     prompt_len = torch.tensor([[len(p)] for p in prompts])
     logits = model(input_ids=noisy, attention_mask=attention, prompt_len=prompt_len).logits
     if model.config.shift_logits:
-        logits, ids, masked = logits[:, :-1], ids[:, 1:], masked[:, 1:]
+        logits, ids, loss_at = logits[:, :-1], ids[:, 1:], loss_at[:, 1:]
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids, reduction="none")
-    return ((ce * masked).sum(-1, keepdim=True) / (t * gen_len)).mean()
+    return (ce * loss_at).sum(-1, keepdim=True)
+
+
+DLM_LOSSES = {"uniform": dlm_loss, "blocks": dlm_block_loss}
 
 
 def train_from_scratch(
@@ -228,6 +257,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--teacher-minutes", type=float, default=12, help="wall-time budget of teacher training")
     parser.add_argument("--teacher-batch", type=int, default=64)
     parser.add_argument("--teacher-lr", type=float, default=3e-3)
+    parser.add_argument("--teacher-masking", choices=sorted(DLM_LOSSES), default="uniform",
+                        help="uniform: mask the whole answer at one ratio; blocks: clean blocks, one partly "
+                             "masked block, then fully masked ones, as block decoding sees them")
     parser.add_argument("--student-steps", type=int, default=600)
     parser.add_argument("--student-batch", type=int, default=32)
     parser.add_argument("--student-lr", type=float, default=1e-3)
@@ -279,8 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
         teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers, max_positions)
     start = time.time()
     teacher_losses = train_from_scratch(
-        teacher, dlm_loss, tokenizer, problems, args.gen_len, args.teacher_steps, args.teacher_batch,
-        args.teacher_lr, args.teacher_minutes,
+        teacher, DLM_LOSSES[args.teacher_masking], tokenizer, problems, args.gen_len, args.teacher_steps,
+        args.teacher_batch, args.teacher_lr, args.teacher_minutes,
     )
     teacher.eval().save_pretrained(args.out / "teacher")
     tokenizer.save_pretrained(args.out / "teacher")

@@ -92,6 +92,44 @@ def test_ar_warm_start_loss_labels_the_solution_and_its_first_eos_only():
     assert seen["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]  # left padding skipped
 
 
+@pytest.mark.parametrize("shift", [False, True])
+def test_block_masking_loss_scores_one_block_as_block_decoding_sees_it(shift):
+    example = load_script("examples/cdlm_arithmetic.py")
+    block, gen_len, vocab, mask_id = 4, 10, 12, 3  # blocks [0, 4), [4, 8) and a short last one, [8, 10)
+    seen = {}
+
+    class Recorder:
+        config = type("Config", (), {"block_size": block, "shift_logits": shift})()
+
+        def __call__(self, input_ids, **kwargs):
+            seen["noisy"] = input_ids
+            seen["logits"] = torch.zeros(*input_ids.shape, vocab, requires_grad=True)
+            return type("Out", (), {"logits": seen["logits"]})()
+
+    prompts = [[7, 8]] * 64
+    targets = [[5, 6, 9, 10, 11, 5, 6, 9, 2, 2]] * 64
+    loss = example.dlm_block_loss(Recorder(), prompts, targets, mask_id, pad_id=0, gen=torch.Generator().manual_seed(0))
+    loss.backward()
+    answer = seen["noisy"][:, -gen_len:] == mask_id
+    scored = seen["logits"].grad.abs().sum(-1) > 0
+    scored = scored[:, -gen_len - shift : scored.shape[1] - shift]  # a shifted model predicts token j at j - 1
+    blocks_seen = set()
+    for row in range(len(prompts)):
+        assert not (seen["noisy"][row, :2] == mask_id).any()  # the prompt stays clean
+        if not scored[row].any():  # the drawn block got no mask: clean up to a block start, masked after it
+            masked_from = int(answer[row].nonzero()[0]) if answer[row].any() else gen_len
+            assert masked_from in (0, 4, 8, gen_len) and answer[row, masked_from:].all()
+            continue
+        start = int(scored[row].nonzero()[0]) // block * block
+        blocks_seen.add(start)
+        assert not answer[row, :start].any() and answer[row, start + block :].all()  # clean, then fully masked
+        # The loss is on the drawn block's masked tokens and nowhere else.
+        expected = answer[row].clone()
+        expected[start + block :] = False
+        assert scored[row].tolist() == expected.tolist(), row
+    assert blocks_seen == {0, 4, 8}
+
+
 def test_benchmark_decodes_in_batches(run):
     bench = load_script("benchmarks/cdlm_arithmetic.py")
     single = bench.main(["--run", str(run), "--problems", "4", "--repeats", "1"])
@@ -121,8 +159,9 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
               "--student-batch", "4", "--lora-rank", "4", "--changes", "4", "--block-size", "8"]
     with pytest.raises(SystemExit):  # 4 changes: 4 steps of 6 tokens + "#### n" = 26 tokens, plus EOS
         example.main(["--out", str(tmp_path / "short"), *common, "--gen-len", "16"])
-    first = example.main(["--out", str(tmp_path / "first"), *common, "--gen-len", "32"])
+    first = example.main(["--out", str(tmp_path / "first"), *common, "--gen-len", "32", "--teacher-masking", "blocks"])
     assert first["args"]["changes"] == "4" and first["ar_losses"] == []  # --ar-steps 0: no warm start
+    assert first["args"]["teacher_masking"] == "blocks"
     common[common.index("--ar-steps") + 1] = "2"
     example.main(["--out", str(tmp_path / "ar"), *common, "--gen-len", "32"])
     summary = example.main(["--out", str(tmp_path / "long"), *common, "--gen-len", "32",
