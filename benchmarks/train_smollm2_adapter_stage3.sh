@@ -31,6 +31,8 @@
 # STEPS=400 and SHIPPED set to the candidate adapter (1 thread, paused during timings); it resumes exactly.
 # A fourth session resumed it from checkpoint-60 with STEPS=200 (the cosine schedule continues on the
 # shorter plan), so that it can finish within two sessions.
+# A later session resumed it from checkpoint-120 to 200 and exported checkpoint-200 as the new candidate
+# adapter (its README has the bench on 12 held-out prompts).
 set -euo pipefail
 
 TIDAR=${TIDAR:-hf-tidar}
