@@ -1,9 +1,10 @@
 """What the gated adapter adds to one forward: the same query on the same cache, with and without it.
 
-    python benchmarks/adapter_cost.py --draft-lengths 2 3 4 --repeats 30 --threads 2
+    python benchmarks/adapter_cost.py --draft-lengths 2 3 4 --repeats 30 --threads 2 [--dtype bfloat16] [--groups first]
 
-SmolLM2-135M-Instruct, float32. A TiDAR pass at draft length ``k`` with every pre-draft group is a query
-of ``k`` clean tokens followed by ``k * k`` ``[MASK]`` tokens; this times exactly that query against a
+SmolLM2-135M-Instruct, float32 unless ``--dtype`` says otherwise. A TiDAR pass at draft length ``k`` with
+every pre-draft group is a query of ``k`` clean tokens followed by ``k * k`` ``[MASK]`` tokens (``k`` of
+them with ``--groups first``, the layouts that only pre-draft for "every draft accepted"); this times exactly that query against a
 cache of a 120-token prefix (cropped back after every call; ``k * k`` rows through the LM head, as a
 pass projects), for the model without an adapter and with
 the shipped adapter in its lean form, both on the measured CPU linear path (:mod:`hf_tidar.cpu`), and a
@@ -49,6 +50,9 @@ def main() -> None:
     parser.add_argument("--draft-lengths", type=int, nargs="+", default=[2, 3, 4])
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--groups", choices=["all", "first"], default="all",
+                        help="every pre-draft group (k * k [MASK] rows) or the first only (k rows)")
     parser.add_argument("--linears", choices=["measured", "stock"], default="measured",
                         help="the measured CPU path (with its few-row kernel where it builds) or torch's F.linear")
     args = parser.parse_args()
@@ -59,6 +63,8 @@ def main() -> None:
         "no adapter": TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=copy.deepcopy(tokenizer)).eval(),
         "lean adapter": load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True),
     }
+    dtype = getattr(torch, args.dtype)
+    models = {name: model.to(dtype) for name, model in models.items()}
     if args.linears == "measured":
         for model in models.values():
             cpu.enable(model)
@@ -70,21 +76,22 @@ def main() -> None:
         model(input_ids=prefix, cache=caches[name], use_cache=True, logits_to_keep=1)
     flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in cpu_flags()]
     print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; float32, {args.linears} linears; a {PREFIX}-token cache; median of "
+          f"{torch.get_num_threads()} threads; {args.dtype}, {args.linears} linears; a {PREFIX}-token cache; median of "
           f"{args.repeats} alternating calls")
     print("\n| k | query rows (clean + [MASK]) | AR step ms | no adapter ms | lean adapter ms | adapter adds |"
           " pass / AR step |")
     print("|---|---|---|---|---|---|---|")
     step = prefix[:, -1:]
     for k in args.draft_lengths:
-        ids = torch.cat([prefix[:, -k:], torch.full((1, k * k), mask_id)], dim=1)
+        masks = k * k if args.groups == "all" else k
+        ids = torch.cat([prefix[:, -k:], torch.full((1, masks), mask_id)], dim=1)
         samples: dict[str, list[float]] = {"ar": [], **{name: [] for name in models}}
         for _ in range(args.repeats + 2):  # the first two calls warm up
             for name, model in models.items():
-                samples[name].append(timed_forward(model, ids, caches[name], k * k))
+                samples[name].append(timed_forward(model, ids, caches[name], masks))
             samples["ar"].append(timed_forward(models["no adapter"], step, caches["no adapter"], 1))
         ms = {name: statistics.median(values[2:]) * 1e3 for name, values in samples.items()}
-        print(f"| {k} | {k} + {k * k} | {ms['ar']:.1f} | {ms['no adapter']:.1f} | {ms['lean adapter']:.1f} | "
+        print(f"| {k} | {k} + {masks} | {ms['ar']:.1f} | {ms['no adapter']:.1f} | {ms['lean adapter']:.1f} | "
               f"{ms['lean adapter'] / ms['no adapter'] - 1:+.1%} | {ms['lean adapter'] / ms['ar']:.2f}x |",
               flush=True)
 

@@ -9,7 +9,7 @@ from toy import tiny_ar_model, train_counting_tidar
 
 from hf_tidar import cpu
 from hf_tidar.cpu import linear as measured
-from hf_tidar.cpu.kernel import REQUIRED_FLAGS, cpu_flags, few_row_kernel
+from hf_tidar.cpu.kernel import REQUIRED_FLAGS, built_kernel, cpu_flags, few_row_kernel, kernel_dtypes, supported_isas
 from hf_tidar.cpu.linear import Choice, MeasuredLinear, best_choices, methods_for
 
 needs_kernel = pytest.mark.skipif(
@@ -50,35 +50,76 @@ def test_every_method_computes_the_linear(method, rows, bias):
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
+BUILDS = [pytest.param(isa, dtype, id=f"{isa}-{str(dtype).removeprefix('torch.')}")
+          for isa in ("avx2", "avx512", "avx512_bf16") for dtype in kernel_dtypes(isa)]
+"""Every build of the kernel and each dtype it multiplies; those this CPU cannot run are skipped."""
+
+
+def _build(isa: str):
+    if isa not in supported_isas() or shutil.which("c++") is None:
+        pytest.skip(f"this CPU cannot run the {isa} build (or there is no C++ compiler)")
+    kernel = built_kernel(isa)
+    assert kernel is not None, f"the {isa} build should compile on this machine"
+    return kernel
+
+
+def _tolerances(dtype: torch.dtype) -> dict:
+    return dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize(("isa", "dtype"), BUILDS)
 @pytest.mark.parametrize("in_features", [8, 13, 577])
 @pytest.mark.parametrize("out_features", [1, 2, 3, 7, 50])
-def test_few_row_kernel_is_a_linear_plus_a_low_rank_tail(in_features, out_features):
-    kernel = few_row_kernel()
-    assert kernel is not None, "the kernel should build on this machine (AVX2, FMA and a compiler are here)"
+def test_few_row_kernel_is_a_linear_plus_a_low_rank_tail(isa, dtype, in_features, out_features):
+    kernel = _build(isa)
     torch.manual_seed(out_features)
-    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
-    lora_a, lora_b = torch.randn(5, in_features), torch.randn(out_features, 5)
+    # bfloat16 operands, float32 reference: the kernel accumulates in float32 and rounds once, at the end.
+    weight, bias = torch.randn(out_features, in_features).to(dtype), torch.randn(out_features).to(dtype)
+    lora_a, lora_b = torch.randn(5, in_features).to(dtype), torch.randn(out_features, 5).to(dtype)
     for rows in (1, 2, 3, 4, 5, 9, 13, 33):
-        x = torch.randn(rows, in_features)
-        torch.testing.assert_close(kernel(x, weight, None, None, None, 0), x @ weight.t(), rtol=1e-5, atol=1e-4)
+        x = torch.randn(rows, in_features).to(dtype)
+        exact = x.float() @ weight.float().t()
+        out = kernel(x, weight, None, None, None, 0)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), exact, **_tolerances(dtype))
         for tail in (0, rows - 1, rows):
-            expected = F.linear(x, weight, bias)
-            expected[tail:] += x[tail:] @ lora_a.t() @ lora_b.t()
+            expected = exact + bias.float()
+            expected[tail:] += x[tail:].float() @ lora_a.float().t() @ lora_b.float().t()
             out = kernel(x, weight, bias, lora_a, lora_b, tail)
-            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(out.float(), expected, **_tolerances(dtype))
 
 
-@needs_kernel
-def test_few_row_kernel_gives_a_row_the_same_bits_whatever_the_row_count():
+@pytest.mark.parametrize(("isa", "dtype"), BUILDS)
+def test_few_row_kernel_gives_a_row_the_same_bits_whatever_the_row_count(isa, dtype):
     # What makes a many-row verification pass agree with one-row AR steps on this path.
-    kernel = few_row_kernel()
+    kernel = _build(isa)
     torch.manual_seed(0)
-    weight, x = torch.randn(37, 301), torch.randn(11, 301)
+    weight, x = torch.randn(37, 301).to(dtype), torch.randn(11, 301).to(dtype)
+    lora_a, lora_b = torch.randn(16, 301).to(dtype), torch.randn(37, 16).to(dtype)
     together = kernel(x, weight, None, None, None, 11)
     for i in range(11):
         assert torch.equal(together[i], kernel(x[i : i + 1], weight, None, None, None, 1)[0])
     assert torch.equal(together[3:7], kernel(x[3:7].contiguous(), weight, None, None, None, 4))
+    # A clean row's bits do not depend on the LoRA tail after it either.
+    with_tail = kernel(x, weight, None, lora_a, lora_b, 6)
+    assert torch.equal(with_tail[:6], together[:6]) and not torch.equal(with_tail[6:], together[6:])
+
+
+@needs_kernel
+def test_the_widest_build_this_cpu_runs_is_the_one_used():
+    assert few_row_kernel() is built_kernel(supported_isas()[0])
+    for dtype in (torch.float32, torch.bfloat16):
+        assert (few_row_kernel(dtype) is not None) == (dtype in kernel_dtypes(supported_isas()[0]))
+        assert ("few_rows" in methods_for(dtype)) == (dtype in kernel_dtypes(supported_isas()[0]))
+
+
+def test_a_build_can_be_chosen_and_a_wrong_name_is_refused(monkeypatch):
+    monkeypatch.setenv("HF_TIDAR_CPU_KERNEL_ISA", "avx2")
+    if "avx2" in supported_isas() and shutil.which("c++"):
+        assert few_row_kernel() is built_kernel("avx2") and few_row_kernel(torch.bfloat16) is None
+    monkeypatch.setenv("HF_TIDAR_CPU_KERNEL_ISA", "sse2")
+    with pytest.raises(ValueError, match="avx512_bf16, avx512, avx2"):
+        few_row_kernel()
 
 
 @needs_kernel
@@ -86,6 +127,8 @@ def test_few_row_kernel_refuses_what_it_cannot_multiply():
     kernel = few_row_kernel()
     with pytest.raises(RuntimeError, match="float32"):
         kernel(torch.randn(2, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64), None, None, None, 2)
+    with pytest.raises(RuntimeError, match="x's dtype"):
+        kernel(torch.randn(2, 8), torch.randn(4, 8, dtype=torch.float64), None, None, None, 2)
     with pytest.raises(RuntimeError, match=r"\[M, K\]"):
         kernel(torch.randn(2, 8), torch.randn(4, 9), None, None, None, 2)
     with pytest.raises(RuntimeError, match="contiguous"):

@@ -1,7 +1,8 @@
-"""Build and load the few-row float32 matmul kernel (``few_rows.cpp``) for this CPU.
+"""Build and load the few-row matmul kernel (``few_rows.cpp``) for this CPU.
 
-The kernel needs an x86 CPU with AVX2 and FMA, a C++ compiler and ninja (torch's extension builder).
-It is compiled once per source, torch version and flags (about 20 s) into the hf_tidar cache and loaded
+The kernel needs an x86 CPU with AVX2 and FMA (float32), or AVX-512 (float32 on twice the lanes) with
+BF16 (bfloat16 too), a C++ compiler and ninja (torch's extension builder). The widest build the CPU runs
+is compiled once per source, torch version and flags (about 20 s) into the hf_tidar cache and loaded
 from there afterwards. Where it cannot be built the measured linear path simply does without it (one
 warning says why); set ``HF_TIDAR_CPU_KERNEL=0`` to leave it out on purpose.
 """
@@ -23,8 +24,22 @@ from ..assets import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("few_rows.cpp")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp")
-REQUIRED_FLAGS = frozenset({"avx2", "fma"})
+
+ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    # name: (the CPU flags it needs, as /proc/cpuinfo spells them; the compiler flags that build it)
+    "avx512_bf16": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
+                    ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
+    "avx512": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
+               ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl")),
+    "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
+}
+"""The kernel's builds, widest first: AVX-512 with BF16 also multiplies bfloat16 (vdpbf16ps); the others
+float32 only."""
+
+REQUIRED_FLAGS = ISA_FLAGS["avx2"][0]
+"""What the narrowest build needs."""
+
+BASE_CFLAGS = ("-O3", "-fopenmp")
 
 
 @functools.cache
@@ -50,50 +65,92 @@ def cpu_flags() -> frozenset[str]:
     return cpu_info()[1]
 
 
-def build_key() -> str:
+def supported_isas() -> tuple[str, ...]:
+    """The kernel builds this CPU can run, widest first."""
+    return tuple(isa for isa, (needs, _) in ISA_FLAGS.items() if needs <= cpu_flags())
+
+
+def kernel_isa() -> str | None:
+    """The build the kernel uses here: the widest this CPU runs, or ``HF_TIDAR_CPU_KERNEL_ISA`` (one of
+    :data:`ISA_FLAGS`, to compare builds on one machine); ``None`` where none runs."""
+    isas = supported_isas()
+    wanted = os.environ.get("HF_TIDAR_CPU_KERNEL_ISA")
+    if wanted:
+        if wanted not in ISA_FLAGS:
+            raise ValueError(f"HF_TIDAR_CPU_KERNEL_ISA={wanted!r} is not a kernel build; use one of "
+                             f"{', '.join(ISA_FLAGS)}.")
+        return wanted if wanted in isas else None
+    return isas[0] if isas else None
+
+
+def kernel_dtypes(isa: str | None = None) -> tuple[torch.dtype, ...]:
+    """The dtypes the ``isa`` build (default: :func:`kernel_isa`) multiplies."""
+    isa = isa or kernel_isa()
+    if isa is None:
+        return ()
+    return (torch.float32, torch.bfloat16) if isa == "avx512_bf16" else (torch.float32,)
+
+
+def _cflags(isa: str) -> tuple[str, ...]:
+    return (*BASE_CFLAGS, *ISA_FLAGS[isa][1], f"-DHF_TIDAR_KERNEL_LIBRARY={_library(isa)}")
+
+
+def _library(isa: str) -> str:
+    # One operator library per build, so that two builds can be loaded side by side (tests compare them).
+    return f"hf_tidar_cpu_{isa}"
+
+
+def build_key(isa: str | None = None) -> str:
     """What a build depends on: the source, the flags and torch's version."""
-    text = SOURCE.read_text() + "|" + " ".join(CFLAGS) + "|" + torch.__version__
+    isa = isa or kernel_isa() or "none"
+    flags = " ".join(_cflags(isa)) if isa in ISA_FLAGS else isa
+    text = SOURCE.read_text() + "|" + flags + "|" + torch.__version__
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def _unavailable_reason() -> str | None:
+def _unavailable_reason(isa: str | None) -> str | None:
     if os.environ.get("HF_TIDAR_CPU_KERNEL", "1") == "0":
         return "HF_TIDAR_CPU_KERNEL=0"
-    missing = REQUIRED_FLAGS - cpu_flags()
-    if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))}"
+    if isa is None:
+        missing = REQUIRED_FLAGS - cpu_flags()
+        wanted = os.environ.get("HF_TIDAR_CPU_KERNEL_ISA")
+        return f"this CPU lacks {', '.join(sorted(missing or ISA_FLAGS[wanted][0] - cpu_flags()))}"
     return None
 
 
-def few_row_kernel() -> Callable[..., torch.Tensor] | None:
-    """``torch.ops.hf_tidar_cpu.few_row_linear``, built on first use; ``None`` where it cannot run here.
+def few_row_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
+    """The few-row matmul operator for ``dtype``, built on first use; ``None`` where it cannot run here.
 
     Signature: ``(x [M, K], weight [N, K], bias [N] | None, lora_a [R, K] | None, lora_b [N, R] | None,
-    tail_start) -> [M, N]``, all contiguous float32 CPU tensors; rows from ``tail_start`` on get
-    ``x @ lora_aᵀ @ lora_bᵀ`` added.
+    tail_start) -> [M, N]``, all contiguous CPU tensors of one dtype (float32; bfloat16 too on the
+    AVX-512 BF16 build); rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added.
     """
-    reason = _unavailable_reason()
+    isa = kernel_isa()
+    reason = _unavailable_reason(isa)
     if reason is not None:
         logger.debug("the few-row CPU matmul kernel is off: %s", reason)
         return None
-    return _built_kernel()
+    if dtype not in kernel_dtypes(isa):
+        return None
+    return built_kernel(isa)
 
 
 @functools.cache
-def _built_kernel() -> Callable[..., torch.Tensor] | None:
-    # Built and loaded once per process: a second load would register its operator twice.
+def built_kernel(isa: str) -> Callable[..., torch.Tensor] | None:
+    """The ``isa`` build's operator (built and loaded once per process; ``None`` where the build fails)."""
+    # Loaded once per process: a second load would register its operator library twice.
     from torch.utils.cpp_extension import load
 
-    key = build_key()
-    folder = cache_root() / "kernels" / f"few_rows-{key}"
+    key = build_key(isa)
+    folder = cache_root() / "kernels" / f"few_rows-{isa}-{key}"
     if not any(folder.glob("*.so")):
-        logger.warning("building the few-row CPU matmul kernel (once, about 20 s; cached in %s)", folder)
+        logger.warning("building the few-row CPU matmul kernel for %s (once, about 20 s; cached in %s)", isa, folder)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        load(name=f"hf_tidar_few_rows_{key}", sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+        load(name=f"hf_tidar_few_rows_{isa}_{key}", sources=[str(SOURCE)], extra_cflags=list(_cflags(isa)),
              extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: torch's own matmuls still work
         logger.warning("the few-row CPU matmul kernel could not be built (%s: %s); the measured linear path "
                        "uses torch's matmuls only", type(error).__name__, str(error).splitlines()[0][:200])
         return None
-    return torch.ops.hf_tidar_cpu.few_row_linear
+    return getattr(torch.ops, _library(isa)).few_row_linear

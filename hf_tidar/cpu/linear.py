@@ -48,17 +48,17 @@ def _onednn_available() -> bool:
 METHODS = ("linear", "w_xt", "onednn", "few_rows")
 """``linear``: ``F.linear(x, W)``; ``w_xt``: ``(W @ xᵀ)ᵀ``; ``onednn``: oneDNN's linear on a copy of ``W``
 packed for it once (what torch.compile's CPU backend uses for frozen linears); ``few_rows``: this
-package's AVX2 kernel (:mod:`hf_tidar.cpu.kernel`), which streams ``W`` once for all rows and gives
-each row the same result whatever the row count."""
+package's kernel (:mod:`hf_tidar.cpu.kernel`: AVX2 or AVX-512 float32, AVX-512 BF16 bfloat16), which
+streams ``W`` once for all rows and gives each row the same result whatever the row count."""
 
 
 def methods_for(dtype: torch.dtype) -> tuple[str, ...]:
     """The methods that can run ``dtype`` here (oneDNN's packed linear takes float32 and bfloat16, the
-    few-row kernel float32 where it builds)."""
+    few-row kernel float32, and bfloat16 on CPUs with AVX-512 BF16, where it builds)."""
     methods = ["linear", "w_xt"]
     if dtype in (torch.float32, torch.bfloat16) and _onednn_available():
         methods.append("onednn")
-    if dtype == torch.float32 and few_row_kernel() is not None:
+    if few_row_kernel(dtype) is not None:
         methods.append("few_rows")
     return tuple(methods)
 
@@ -96,7 +96,7 @@ def _run(method: str, weight: torch.Tensor, packed: torch.Tensor | None, x: torc
         out = torch.mm(weight, x.t()).t()
         return out if bias is None else out + bias
     if method == "few_rows":
-        return few_row_kernel()(x.contiguous(), weight, bias, None, None, x.shape[0])
+        return few_row_kernel(x.dtype)(x.contiguous(), weight, bias, None, None, x.shape[0])
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -300,7 +300,7 @@ def enable(model: nn.Module, remeasure: bool = False) -> nn.Module:
         if not isinstance(module, MeasuredLinear) and not getattr(type(module), "uses_linear_forward", False):
             module.__class__ = MeasuredLinear
         module.choices = plans[key]
-        module.few_row_op = few_row_kernel() if key[2] == torch.float32 else None
+        module.few_row_op = few_row_kernel(key[2])
         module.plan_dtype = key[2]
         module._packed = None
         module._packed_version = -1
