@@ -38,6 +38,7 @@ from .corpus import DEFAULT_HELD_OUT_FRACTION, Document
 
 IGNORE_INDEX = -100
 MANIFEST = "manifest.json"
+SELF_INSTRUCT_FILE = "self_instruct.json"
 CHAT_TEMPLATES = (
     "Write a Python function that does the following: {doc}",
     "Explain, in a few sentences, what this does: {doc}",
@@ -290,6 +291,8 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     parser.add_argument("--chat-prompts", type=int, default=3000, help="needs a tokenizer with a chat template")
     parser.add_argument("--instruction-prompts", type=int, default=0,
                         help="'Write a function `f(args)` that ...' requests from docstrings (chat template)")
+    parser.add_argument("--self-instruct-prompts", type=int, default=0,
+                        help="everyday questions the model writes itself about seed topics (sampled; chat template)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
     parser.add_argument("--max-prompt-tokens", type=int, default=96, help="prompts are cut to this many tokens")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
@@ -309,13 +312,15 @@ def run_distill(args: argparse.Namespace) -> int:
     from .corpus import load_corpus
 
     check_output_folder(args.output, sources=[args.model, *args.data], overwrite=getattr(args, "overwrite", False),
-                        resuming=(Path(args.output) / MANIFEST).exists())
+                        resuming=any((Path(args.output) / name).exists() for name in (MANIFEST, SELF_INSTRUCT_FILE)))
     model, tokenizer = load_ar_model(args.model)
     corpus = load_corpus(args.data, held_out_fraction=args.held_out_fraction)
     print(f"distill: {corpus.summary()} (prompts come from the train documents only)", flush=True)
     chat = chat_prompts(corpus.train, args.chat_prompts, seed=args.seed) if args.chat_prompts else []
     if args.instruction_prompts:
         chat += instruction_prompts(corpus.train, args.instruction_prompts, seed=args.seed)
+    if getattr(args, "self_instruct_prompts", 0):
+        chat += _self_instruct(model, tokenizer, args)
     prompts = encode_prompts(tokenizer, code_prompts(corpus.train, args.code_prompts, seed=args.seed), chat,
                              max_prompt_tokens=args.max_prompt_tokens)
     if args.shuffle:
@@ -330,6 +335,25 @@ def run_distill(args: argparse.Namespace) -> int:
     else:
         print(f"distill: {len(dataset)} rows in {folder}")
     return 0
+
+
+def _self_instruct(model, tokenizer, args: argparse.Namespace) -> list[str]:
+    """The model's own questions, written once into the output folder and read back when a run resumes (sampling
+    them again elsewhere could give others, and resuming needs the same prompts)."""
+    from .self_instruct import held_out_prompts, sampler_for, self_instruct_questions
+
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("--self-instruct-prompts needs a model whose tokenizer has a chat template (the questions "
+                         "are asked and answered as chat turns); leave it at 0 for this model.")
+    saved = Path(args.output) / SELF_INSTRUCT_FILE
+    if saved.exists():
+        return json.loads(saved.read_text())
+    print(f"distill: asking the model for {args.self_instruct_prompts} questions about seed topics", flush=True)
+    questions = self_instruct_questions(sampler_for(model.eval(), tokenizer), args.self_instruct_prompts,
+                                        seed=args.seed, batch_size=args.batch_size, exclude=held_out_prompts())
+    Path(args.output).mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(questions, indent=0) + "\n")
+    return questions
 
 
 def main(argv: Sequence[str] | None = None) -> int:
