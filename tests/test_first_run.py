@@ -177,3 +177,34 @@ def test_a_skewed_profile_is_kept_with_a_warning_while_the_machine_is_busy(small
     assert cost_profile.load_or_measure_costs(small_tidar, 6)[1] == 1.0
     err = capsys.readouterr().err
     assert "looks skewed (measured under a load average of 40.0 on 2 cores)" in err and "hf-tidar profile" in err
+
+
+def test_the_cost_curve_is_fitted_non_decreasing_and_keeps_what_was_measured(small_tidar, monkeypatch):
+    # A dip (noise on a drifting machine) would make a longer layout look cheaper than a shorter one.
+    assert cost_profile.monotone_costs({1: 1.0, 2: 1.3, 3: 1.1, 4: 1.2, 6: 2.0}) == \
+        pytest.approx({1: 1.0, 2: 1.2, 3: 1.2, 4: 1.2, 6: 2.0})
+    assert cost_profile.monotone_costs({1: 3.0, 2: 1.0}) == pytest.approx({1: 2.0, 2: 2.0})
+    rising = {1: 1.0, 2: 1.5, 4: 3.0}
+    assert cost_profile.monotone_costs(rising) == rising
+    monkeypatch.setattr(cost_profile, "_probe_prefill", lambda model: (0.001, 0.0))
+    monkeypatch.setattr(cost_profile, "measure_forward_cost",
+                        lambda model, lengths, **kw: {q: {1: 1.0, 2: 0.8, 3: 1.2, 4: 1.3}.get(q, 2.0) for q in lengths})
+    costs = cost_profile.load_or_measure_costs(small_tidar, 4)
+    assert costs[1] == costs[2] == pytest.approx(0.9) and costs[3] == 1.2
+    stored = json.loads(cost_profile.profile_path(small_tidar).read_text())
+    assert stored["measured"]["2"] == 0.8 and stored["seconds"]["2"] == pytest.approx(0.9)
+    assert stored["spread"] == pytest.approx(0.2)  # the dip is part of the noise reading
+
+
+def test_every_length_is_timed_in_each_round_against_one_prefill(small_tidar, monkeypatch):
+    calls = []
+    original = small_tidar.model.forward
+
+    def spy(*args, input_ids=None, **kwargs):
+        calls.append(input_ids.shape[1])
+        return original(*args, input_ids=input_ids, **kwargs)
+
+    monkeypatch.setattr(small_tidar.model, "forward", spy)
+    costs = cost_profile.measure_forward_cost(small_tidar, [1, 2, 4], cache_len=16, repeats=3)
+    assert calls == [16] + [1, 2, 4] * 4  # one prefill, a warm-up round, then 3 interleaved rounds
+    assert sorted(costs) == [1, 2, 4] and all(t > 0 for t in costs.values())

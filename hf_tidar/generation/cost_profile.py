@@ -31,7 +31,7 @@ from ..cache import DraftCache
 logger = get_logger(__name__)
 
 PROFILE_CACHE_LEN = 256  # cached tokens the cost is measured against
-PROFILE_REPEATS = 5
+PROFILE_REPEATS = 9
 MASK_PROBE_QUERY = 4  # query tokens of the mask-overhead probe (half of them [MASK])
 LM_HEAD_ROWS = 9  # rows the LM head is timed on, against one row, for its per-row cost
 PROBE_RUNS = 4  # prefills timed before profiling (the first warms up): the time estimate and a noise reading
@@ -67,34 +67,61 @@ def _step_inputs(model, q: int, cache_len: int) -> tuple[torch.Tensor, torch.Ten
     return positions, mask
 
 
+@torch.no_grad()
 def measure_forward_cost(
-    model, query_lengths: list[int], cache_len: int = PROFILE_CACHE_LEN, repeats: int = PROFILE_REPEATS
+    model, query_lengths: list[int], cache_len: int = PROFILE_CACHE_LEN, repeats: int = PROFILE_REPEATS,
+    on_round=None,
 ) -> dict[int, float]:
     """Median seconds of one forward of ``q`` new tokens over a ``cache_len``-token cache, per ``q``.
 
     This is the hardware curve behind every layout choice (the paper's Fig. 1: on a GPU hundreds of
-    token slots cost about as much as one; on a small CPU only a few do).
+    token slots cost about as much as one; on a small CPU only a few do). The lengths are timed in
+    rounds, each round once over every length (after one warm-up round), against one cache that is
+    cropped back after each call: a machine whose speed drifts then skews every length alike, where
+    timing one length after another bends the curve. ``on_round()`` is called after each round.
     """
     device = model.device
     vocab = model.config.get_text_config().vocab_size
     prompt = torch.randint(0, vocab, (1, cache_len), device=device)
-    costs = {}
-    for q in query_lengths:
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            cache = DraftCache(config=model.config.get_text_config())
-            model.model(input_ids=prompt, cache=cache, use_cache=True)
-            new = torch.randint(0, vocab, (1, q), device=device)
-            positions, mask = _step_inputs(model, q, cache_len)
+    cache = DraftCache(config=model.config.get_text_config())
+    model.model(input_ids=prompt, cache=cache, use_cache=True)
+    inputs = {q: (torch.randint(0, vocab, (1, q), device=device), *_step_inputs(model, q, cache_len))
+              for q in query_lengths}
+    times: dict[int, list[float]] = {q: [] for q in query_lengths}
+    for round_number in range(repeats + 1):  # round 0 warms up
+        for q in query_lengths:
+            new, positions, mask = inputs[q]
             sync_device(device)
             start = time.perf_counter()
             hidden = model.model(input_ids=new, cache=cache, use_cache=True, position_ids=positions,
                                  attention_mask=mask)
             model.vocab_logits(hidden.last_hidden_state[:, : min(q, 4)])  # logits only where used
             sync_device(device)
-            times.append(time.perf_counter() - start)
-        costs[q] = sorted(times[1:])[len(times[1:]) // 2]
-    return costs
+            if round_number:
+                times[q].append(time.perf_counter() - start)
+            cache.keep_first(cache_len)
+        if on_round is not None:
+            on_round()
+    return {q: sorted(samples)[len(samples) // 2] for q, samples in times.items()}
+
+
+def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
+    """The non-decreasing curve closest to ``costs`` in least squares (pool adjacent violators).
+
+    A pass over more query tokens does the work of a shorter one and more, so a measured dip (noise) is
+    not real; left in, it makes the chooser prefer a longer layout for being "cheaper".
+    """
+    blocks: list[list[float]] = []  # [mean, weight, points]
+    for q in sorted(costs):
+        blocks.append([costs[q], 1.0, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            mean, weight, points = blocks.pop()
+            last = blocks[-1]
+            total = last[1] + weight
+            last[0] = (last[0] * last[1] + mean * weight) / total
+            last[1], last[2] = total, last[2] + points
+    fitted = [mean for mean, _, points in blocks for _ in range(int(points))]
+    return dict(zip(sorted(costs), fitted, strict=True))
 
 
 @torch.no_grad()
@@ -193,8 +220,9 @@ def sync_device(device: torch.device) -> None:
 
 #: bumped when what a profile measures changes, so older cached curves are measured again
 #: (2: the LM head gets compact rows, which changed bf16 costs on CPUs several-fold;
-#: 3: profiles record the machine load and timing noise they were measured under)
-PROFILE_VERSION = 3
+#: 3: profiles record the machine load and timing noise they were measured under;
+#: 4: lengths timed in interleaved rounds over one cache, the curve fitted non-decreasing)
+PROFILE_VERSION = 4
 
 
 def profile_key(model) -> str:
@@ -243,18 +271,20 @@ def measure_and_save_costs(model, query_lengths: list[int], remeasured: bool = F
         "`hf-tidar profile` with the same model, --dtype and --threads) to measure it again."
     )
     before = machine_load()
-    costs: dict[int, float] = {}
-    bar = tqdm(query_lengths, desc="Profiling forward cost", unit="length", disable=not _stderr_is_terminal(),
-               leave=False)
-    for q in bar:  # one length at a time, for the progress bar
-        costs.update(measure_forward_cost(model, [q]))
-    save_costs(model, costs, before, probe_spread, remeasured)
-    return costs
+    with tqdm(total=PROFILE_REPEATS + 1, desc="Profiling forward cost", unit="round", leave=False,
+              disable=not _stderr_is_terminal()) as bar:
+        measured = measure_forward_cost(model, query_lengths, on_round=bar.update)
+    save_costs(model, measured, before, probe_spread, remeasured)
+    return monotone_costs(measured)
 
 
 def save_costs(model, costs: dict[int, float], load: dict | None = None, probe_spread: float = 0.0,
                remeasured: bool = False) -> Path:
     """Cache ``costs`` where ``draft_layout="auto"`` reads them, with the load they were measured under.
+
+    The measured medians are kept as ``measured``; ``seconds`` is their non-decreasing fit
+    (:func:`monotone_costs`), what the chooser uses. How far the medians fell from one length to the next
+    is kept as part of the profile's noise reading.
 
     ``load`` is :func:`machine_load` from before the measurement; the load after it (less this process's own
     threads) is taken into account too, for work that started meanwhile.
@@ -263,7 +293,8 @@ def save_costs(model, costs: dict[int, float], load: dict | None = None, probe_s
     after = machine_load()
     if load["loadavg"] is not None and after["loadavg"] is not None:
         load = {**load, "loadavg": max(load["loadavg"], after["loadavg"] - torch.get_num_threads())}
-    profile = {"seconds": {str(q): t for q, t in sorted(costs.items())}, **load,
+    profile = {"seconds": {str(q): t for q, t in sorted(monotone_costs(costs).items())},
+               "measured": {str(q): t for q, t in sorted(costs.items())}, **load,
                "spread": max(probe_spread, _largest_drop(costs)), "remeasured": remeasured}
     path = profile_path(model)
     path.parent.mkdir(parents=True, exist_ok=True)
