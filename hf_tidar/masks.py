@@ -150,9 +150,19 @@ MASK_RENDERERS: dict[str, MaskRenderer] = {
 module (their descriptors read :class:`AttentionLayout`), so they register themselves instead of being imported."""
 
 
+BOOL_MASK_BACKENDS = {"sdpa"}
+"""Backends whose masks are sdpa's bool masks: the decode loop updates such a mask in place per step."""
+
+
 def register_mask_renderer(attn_implementation: str, renderer: MaskRenderer) -> None:
     """Make :func:`render_mask` hand layouts for ``attn_implementation`` to ``renderer``."""
     MASK_RENDERERS[attn_implementation] = renderer
+
+
+def register_bool_mask_backend(attn_implementation: str) -> None:
+    """Give ``attn_implementation`` sdpa's bool masks, rendered and updated per step as sdpa's are."""
+    register_mask_renderer(attn_implementation, MASK_RENDERERS["sdpa"])
+    BOOL_MASK_BACKENDS.add(attn_implementation)
 
 
 def render_mask(layout: AttentionLayout, attn_implementation: str | None, dtype: torch.dtype) -> object:
@@ -302,7 +312,7 @@ class DecodeMaskBuffer:
     def step_mask(self, step: StepMaskTemplate, attn_implementation: str | None, dtype: torch.dtype) -> object:
         """The mask of the next step under layout ``step``, in the backend's format."""
         impl = attn_implementation or "sdpa"
-        if impl not in ("sdpa", "eager"):
+        if impl not in BOOL_MASK_BACKENDS and impl != "eager":
             return render_mask(tidar_decode_layout(self.prefix_valid, step.draft_len, step.groups), impl, dtype)
         q, end = step.query_len, self.length + step.query_len
         self._grow(end)
@@ -311,7 +321,7 @@ class DecodeMaskBuffer:
             self._mask = self.valid[:, None, None, :].expand(batch, 1, q, capacity).clone()
         self._mask[..., self.length : end] = step.block
         allowed = self._mask[..., :end]
-        return allowed if impl == "sdpa" else _additive(allowed, dtype)
+        return allowed if impl in BOOL_MASK_BACKENDS else _additive(allowed, dtype)
 
     def position_ids(self, step: StepMaskTemplate) -> torch.Tensor:
         """``[batch, q]`` position ids of the next step's queries."""

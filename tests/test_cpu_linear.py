@@ -202,9 +202,20 @@ def test_enable_keeps_weights_and_greedy_tidar_still_equals_ar():
 
 
 def test_profiles_are_cached_per_shape(tmp_path):
-    model = tiny_ar_model(vocab_size=40).float()
+    model = tiny_ar_model(vocab_size=40).double()  # a dtype no kernel build takes: its plan is measured
     cpu.enable(model)
     files = sorted(p.name for p in tmp_path.rglob("*.json"))
-    assert files and all(name.endswith("-float32.json") for name in files)
+    assert files and all(name.endswith("-float64.json") for name in files)
     shapes = {(m.out_features, m.in_features) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     assert len(files) == len(shapes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_where_the_kernel_takes_the_dtype_it_takes_every_row_count_unmeasured(dtype, tmp_path):
+    if few_row_kernel(dtype) is None:
+        pytest.skip(f"no few-row kernel for {dtype} on this machine")
+    model = tiny_ar_model(vocab_size=40).to(dtype)
+    cpu.enable(model)
+    assert not list(tmp_path.rglob("*.json"))  # nothing to measure: the kernel is the plan
+    plans = [m.choices for m in model.modules() if isinstance(m, MeasuredLinear)]
+    assert plans and all(plan == measured.exact_choices() for plan in plans)

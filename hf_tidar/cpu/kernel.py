@@ -1,4 +1,5 @@
-"""Build and load the few-row matmul kernel (``few_rows.cpp``) for this CPU.
+"""Build and load this package's CPU operators for this CPU: the few-row matmul (``few_rows.cpp``) and the
+row-invariant attention (``row_attention.cpp``), one library per instruction-set build.
 
 The kernel needs an x86 CPU with AVX2 and FMA (float32), or AVX-512 (float32 on twice the lanes) with
 BF16 (bfloat16 too), a C++ compiler and ninja (torch's extension builder). The widest build the CPU runs
@@ -23,7 +24,8 @@ from ..assets import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("few_rows.cpp")
+SOURCES = (Path(__file__).with_name("few_rows.cpp"), Path(__file__).with_name("row_attention.cpp"))
+"""The operator library's sources: the few-row matmul and the row-invariant attention."""
 
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     # name: (the CPU flags it needs, as /proc/cpuinfo spells them; the compiler flags that build it)
@@ -104,7 +106,7 @@ def build_key(isa: str | None = None) -> str:
     """What a build depends on: the source, the flags and torch's version."""
     isa = isa or kernel_isa() or "none"
     flags = " ".join(_cflags(isa)) if isa in ISA_FLAGS else isa
-    text = SOURCE.read_text() + "|" + flags + "|" + torch.__version__
+    text = "".join(source.read_text() for source in SOURCES) + "|" + flags + "|" + torch.__version__
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -135,9 +137,30 @@ def few_row_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Te
     return built_kernel(isa)
 
 
-@functools.cache
+def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
+    """The row-invariant attention operator (``row_attention.cpp``) for ``dtype`` (float32 or bfloat16, on
+    every build), built on first use; ``None`` where the library cannot run here.
+
+    Signature: ``(query [B, H, T, D], key [B, Hkv, S, D], value, mask [B | 1, 1, T, S] bool | None, scale)
+    -> [B, T, H, D]``; without a mask, row ``t`` sees keys ``j <= t + S - T``.
+    """
+    isa = kernel_isa()
+    if _unavailable_reason(isa) is not None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    library = built_library(isa)
+    return None if library is None else library.row_attention
+
+
 def built_kernel(isa: str) -> Callable[..., torch.Tensor] | None:
-    """The ``isa`` build's operator (built and loaded once per process; ``None`` where the build fails)."""
+    """The ``isa`` build's few-row matmul operator (``None`` where the build fails)."""
+    library = built_library(isa)
+    return None if library is None else library.few_row_linear
+
+
+@functools.cache
+def built_library(isa: str):
+    """The ``isa`` build's operator library, ``torch.ops.hf_tidar_cpu_<isa>`` (built and loaded once per process;
+    ``None`` where the build fails)."""
     # Loaded once per process: a second load would register its operator library twice.
     from torch.utils.cpp_extension import load
 
@@ -147,10 +170,10 @@ def built_kernel(isa: str) -> Callable[..., torch.Tensor] | None:
         logger.warning("building the few-row CPU matmul kernel for %s (once, about 20 s; cached in %s)", isa, folder)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        load(name=f"hf_tidar_few_rows_{isa}_{key}", sources=[str(SOURCE)], extra_cflags=list(_cflags(isa)),
+        load(name=f"hf_tidar_few_rows_{isa}_{key}", sources=[str(s) for s in SOURCES], extra_cflags=list(_cflags(isa)),
              extra_ldflags=["-fopenmp"], build_directory=str(folder), is_python_module=False, verbose=False)
     except Exception as error:  # no compiler, no ninja, a failed build: torch's own matmuls still work
         logger.warning("the few-row CPU matmul kernel could not be built (%s: %s); the measured linear path "
                        "uses torch's matmuls only", type(error).__name__, str(error).splitlines()[0][:200])
         return None
-    return getattr(torch.ops, _library(isa)).few_row_linear
+    return getattr(torch.ops, _library(isa))

@@ -283,19 +283,34 @@ class MeasuredLinear(nn.Linear):
         return linear_forward(self, x)
 
 
-def enable(model: nn.Module, remeasure: bool = False) -> nn.Module:
+def exact_choices() -> list[Choice]:
+    """The kernel at every row count: a row's product then has the same bits in a one-row AR step and in a
+    pass of any size, which is what makes greedy TiDAR equal AR in bfloat16 too."""
+    return [Choice("few_rows", rows) for rows in range(1, MAX_ROWS + 1)]
+
+
+def enable(model: nn.Module, remeasure: bool = False, attention: bool = True) -> nn.Module:
     """Make every CPU ``nn.Linear`` of ``model`` a :class:`MeasuredLinear` (in place; returns ``model``).
 
-    Shapes are profiled on first use and cached. Results equal ``F.linear``'s up to rounding order
-    (a different BLAS kernel), so compare strategies with it enabled on every model alike.
+    Where this package's few-row kernel multiplies the weights' dtype, it takes every row count up to
+    :data:`MAX_ROWS`; other dtypes (and CPUs where it does not build) get the fastest method this machine
+    measured per shape and row count (profiled on first use, cached). Results equal ``F.linear``'s up to
+    rounding order (another kernel), so compare strategies with it enabled on every model alike.
+
+    With ``attention`` (default), a model on transformers' default ``sdpa`` attention also switches to the
+    row-invariant ``tidar_cpu`` backend (:mod:`hf_tidar.cpu.attention`) where its operator builds; with
+    the kernel linears, greedy TiDAR then equals greedy AR bit for bit in bfloat16 as in float32.
     """
     plans: dict[tuple, list[Choice]] = {}
+    dtypes = set()
     for module in model.modules():
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
             continue
         key = (module.out_features, module.in_features, module.weight.dtype)
+        dtypes.add(key[2])
         if key not in plans:
-            plans[key] = choices_for(*key, remeasure=remeasure)
+            exact = few_row_kernel(key[2]) is not None and not remeasure
+            plans[key] = exact_choices() if exact else choices_for(*key, remeasure=remeasure)
         # A linear class with its own forward (the lean adapter's) calls linear_forward itself.
         if not isinstance(module, MeasuredLinear) and not getattr(type(module), "uses_linear_forward", False):
             module.__class__ = MeasuredLinear
@@ -304,16 +319,36 @@ def enable(model: nn.Module, remeasure: bool = False) -> nn.Module:
         module.plan_dtype = key[2]
         module._packed = None
         module._packed_version = -1
+    if attention and dtypes:
+        _use_row_attention(model, dtypes)
     return model
 
 
+def _use_row_attention(model: nn.Module, dtypes: set[torch.dtype]) -> None:
+    from .attention import ATTN_IMPLEMENTATION, register
+    from .kernel import row_attention_kernel
+
+    current = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if current != "sdpa" or not hasattr(model, "set_attn_implementation"):
+        return  # a backend the user chose stays
+    if any(row_attention_kernel(dtype) is None for dtype in dtypes):
+        return
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model._hf_tidar_attention_before = current
+
+
 def disable(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable`: every :class:`MeasuredLinear` becomes a plain ``nn.Linear`` again."""
+    """Undo :func:`enable`: every :class:`MeasuredLinear` becomes a plain ``nn.Linear`` again, and the model's
+    attention backend is the one it had before."""
     for module in model.modules():
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear
         for name in ("choices", "few_row_op", "plan_dtype", "_packed", "_packed_version"):
             module.__dict__.pop(name, None)
+    before = model.__dict__.pop("_hf_tidar_attention_before", None)
+    if before is not None:
+        model.set_attn_implementation(before)
     return model
 
 

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import DraftCache
-from ..masks import DecodeMaskBuffer, StepMaskTemplate, tidar_prefill_layout
+from ..cpu.attention import ATTN_IMPLEMENTATION as ROW_INVARIANT_ATTENTION
+from ..masks import DecodeMaskBuffer, StepMaskTemplate, positions_from_padding, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
 from .auto_plan import AutoDraftPlan
 from .draft_plan import DraftPlan, verification_plan
@@ -224,9 +225,12 @@ class TidarDecoder:
         k = self.layout.draft_len
         layout = tidar_prefill_layout(self.attention_mask, k)
         masks = torch.full((input_ids.shape[0], k), self.mask_id, dtype=torch.long, device=self.device)
-        hidden = self.model.structured_hidden_states(torch.cat([input_ids, masks], dim=1), layout, self.cache,
-                                                     mask_tail_start=input_ids.shape[1])
         prompt_len = input_ids.shape[1]
+        if self.attn_impl == ROW_INVARIANT_ATTENTION:
+            hidden = self._prefill_in_two_calls(input_ids, masks, layout)
+        else:
+            hidden = self.model.structured_hidden_states(torch.cat([input_ids, masks], dim=1), layout, self.cache,
+                                                         mask_tail_start=prompt_len)
         self.cache.keep_first(prompt_len)
         # One LM-head call: the last prompt position (AR) and the group's slots after its first (drafts).
         rows = [prompt_len - 1, *range(prompt_len + 1, prompt_len + k)]
@@ -242,6 +246,20 @@ class TidarDecoder:
             self.emit(row, first, scores, ar_logits[index])
             all_drafts.append(self.next_block(row, first, slots[index]))
         return all_drafts
+
+    def _prefill_in_two_calls(self, input_ids: torch.Tensor, masks: torch.Tensor, layout) -> torch.Tensor:
+        """The prefill as the very call AR decoding prefills with (the prompt, its 2-D mask, transformers'
+        position ids), then the mask group's own call. On the row-invariant backend the prompt's cache then
+        has AR's bits whatever attention the backend runs at the prompt's length."""
+        prompt = self.model.model(input_ids=input_ids, attention_mask=self.attention_mask,
+                                  position_ids=positions_from_padding(self.attention_mask.bool()),
+                                  cache=self.cache, use_cache=True).last_hidden_state
+        mask, positions = self.model.rendered_layout(layout)
+        prompt_len = input_ids.shape[1]
+        group = self.model.structured_hidden_states(
+            masks, None, self.cache, mask=mask[:, :, prompt_len:], position_ids=positions[:, prompt_len:],
+            mask_tail_start=0)
+        return torch.cat([prompt, group], dim=1)
 
     def step(self, active: list[int], drafts: list[Drafts], state: DecodeMaskBuffer) -> list[Drafts | None]:
         """One forward pass for the active rows; returns their next drafts (``None`` for finished rows)."""
