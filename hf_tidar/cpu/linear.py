@@ -352,6 +352,18 @@ def disable(model: nn.Module) -> nn.Module:
     return model
 
 
+def rows_are_call_invariant(model: nn.Module) -> bool:
+    """Whether a token's logits have the same bits in a one-token AR step and in any TiDAR pass: every linear
+    on the few-row kernel at every row count, and the row-invariant ``tidar_cpu`` attention."""
+    from .attention import ATTN_IMPLEMENTATION
+
+    config = getattr(getattr(model, "model", model), "config", None)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    return (getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and bool(linears)
+            and all(getattr(m, "few_row_op", None) is not None and getattr(m, "choices", None) == exact_choices()
+                    for m in linears))
+
+
 def is_enabled(model: nn.Module) -> bool:
     """Whether any linear of ``model`` uses the measured path."""
     return any(getattr(module, "choices", None) for module in model.modules() if isinstance(module, nn.Linear))

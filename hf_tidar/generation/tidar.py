@@ -11,6 +11,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .._warning_stacklevel import user_stacklevel
+from ..cpu import rows_are_call_invariant
 from .auto_plan import AutoDraftPlan
 from .draft_plan import DraftPlan
 from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES
@@ -86,16 +87,18 @@ def tidar_decode(
 
 
 def _warn_if_rounding_differs(model, generation_config) -> None:
-    """Say that greedy TiDAR may part from AR at near-ties when the model runs in half precision."""
+    """Say that greedy TiDAR may part from AR at near-ties when the model runs in half precision, unless it
+    runs on the row-invariant CPU path, where it cannot."""
     dtype = model.get_input_embeddings().weight.dtype
-    if generation_config.do_sample or dtype not in (torch.float16, torch.bfloat16):
+    if generation_config.do_sample or dtype not in (torch.float16, torch.bfloat16) or rows_are_call_invariant(model):
         return
     warnings.warn(
         f"The model runs in {str(dtype).removeprefix('torch.')}: a TiDAR pass verifies several tokens in one "
         "forward, which rounds differently from a one-token AR step, so greedy output can differ from AR "
         "greedy output where two tokens' logits (nearly) tie, as with transformers' assisted and prompt-lookup "
-        "decoding. Use float32 for token-for-token equality in practice (every float32 benchmark of ours matched "
-        "AR), float64 to rule out ties altogether.",
+        "decoding. On a CPU with AVX-512 BF16, hf_tidar.cpu.enable(model) makes bfloat16 exact (a row gets "
+        "the same bits in any pass); elsewhere use float32 for token-for-token equality in practice (every "
+        "float32 benchmark of ours matched AR), float64 to rule out ties altogether.",
         stacklevel=user_stacklevel(),
     )
 
