@@ -241,9 +241,12 @@ inline void column_block_of(int64_t width, const typename V::T* x, int64_t M, in
 }
 
 // y = x @ wᵀ (+ bias), rows from `tail` on plus z @ bᵀ (z: [M - tail, R] float32, b: [N, R]; none if z is null).
+// `parallel`: split the columns among torch's threads (a small product is faster on the calling thread alone:
+// a thread-pool dispatch costs more than the LoRA codes x @ lora_aᵀ themselves).
 template <class V, class Out>
 void rows_times_weight(const typename V::T* x, int64_t M, int64_t K, const typename V::T* w, int64_t N, Out* y,
-                       const typename V::T* bias, const float* z, const typename V::T* b, int64_t R, int64_t tail) {
+                       const typename V::T* bias, const float* z, const typename V::T* b, int64_t R, int64_t tail,
+                       bool parallel = true) {
   using T = typename V::T;
   constexpr int kColumns = V::kColumns;
   if (!z) tail = M;
@@ -264,7 +267,10 @@ void rows_times_weight(const typename V::T* x, int64_t M, int64_t K, const typen
                                    N, bn, next, end);
     }
   };
-  at::parallel_for(0, blocks, 8, run);
+  if (parallel)
+    at::parallel_for(0, blocks, 8, run);
+  else
+    run(0, blocks);
 }
 
 // -- the operator ---------------------------------------------------------------------------------
@@ -306,7 +312,7 @@ at::Tensor linear_with_tail(const at::Tensor& x, const at::Tensor& weight, const
                 "few_row_linear: lora_a must be [R, K] and lora_b [N, R]");
     z.resize((M - tail) * R);  // the tail rows' low-rank codes x @ lora_aᵀ, in float32
     rows_times_weight<V, float>(x.data_ptr<T>() + tail * K, M - tail, K, lora_a->data_ptr<T>(), R, z.data(),
-                                nullptr, nullptr, nullptr, 0, M - tail);
+                                nullptr, nullptr, nullptr, 0, M - tail, /*parallel=*/false);
     b_data = lora_b->data_ptr<T>();
   }
   at::Tensor y = at::empty({M, N}, x.options());
