@@ -130,6 +130,7 @@ def test_auto_layout_drafts_by_lookup_where_it_pays_and_stays_exact(looping_mode
     monkeypatch.setattr(auto_plan, "load_or_measure_costs", lambda model, max_query: {1: 1.125, 64: 9.0})
     monkeypatch.setattr(auto_plan, "load_or_measure_lm_head_cost", lambda model: 0.0)
     monkeypatch.setattr(auto_plan, "load_or_measure_mask_overhead", lambda model: 0.0)
+    monkeypatch.setattr(auto_plan, "load_or_measure_layout_costs", lambda model, plans: {})  # none timed: the curve
     prompt = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4]])
     settings = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():

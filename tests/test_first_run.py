@@ -136,8 +136,9 @@ def test_the_first_auto_layout_call_says_what_it_measures_and_where_it_is_cached
     err = capsys.readouterr().err
     notices = [line for line in err.splitlines() if line.startswith("[hf_tidar]")]
     path = cost_profile.profile_path(small_tidar)
-    assert len(notices) == 1 and "measuring this machine's forward cost" in notices[0]
+    assert len(notices) == 2 and "measuring this machine's forward cost" in notices[0]
     assert " s, once per model" in notices[0] and str(path) in notices[0] and "hf-tidar profile" in notices[0]
+    assert "timing 6 draft layouts as real passes" in notices[1] and str(path.parent) in notices[1]  # block 2: 3 + 3
     assert "Profiling forward cost" not in err  # no progress bar when stderr is not a terminal
     profile = json.loads(path.read_text())
     assert profile["cpus"] == 2 and profile["loadavg"] == 0.2 and profile["remeasured"] is False

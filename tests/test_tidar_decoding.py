@@ -5,7 +5,7 @@ import warnings
 
 import pytest
 import torch
-from toy import counting_batch, tiny_ar_model
+from toy import counting_batch, tiny_ar_model, train_counting_tidar
 from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 
 import hf_tidar.generation.acceptance as acceptance
@@ -264,6 +264,45 @@ def test_auto_layout_charges_the_lm_head_for_every_projected_row():
     free_head = AutoDraftPlan(flat, 8)
     free_head.stats = chooser.stats
     assert chooser.choose().draft_len < free_head.choose().draft_len
+
+
+def test_auto_layout_prices_a_timed_pass_by_its_timing_over_the_sum_of_parts():
+    flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}
+    timed = {DraftPlan(2, (1,)): 3.0, DraftPlan(3, (1,)): 1.5}  # the shorter pass measured slower
+    chooser = AutoDraftPlan(flat, 4, mask_overhead=0.25, layout_costs=timed)
+    assert chooser.step_cost(DraftPlan(2, (1,))) == 3.0 and chooser.step_cost(DraftPlan(3, (1,))) == 1.5
+    assert chooser.step_cost(DraftPlan(4, (1,))) == 1.25  # not timed: curve + mask rows
+    untimed = AutoDraftPlan(flat, 4, mask_overhead=0.25)
+    timed = {plan: 3.0 for plan in untimed.candidates} | {DraftPlan(3, (1,)): 1.0}
+    chooser = AutoDraftPlan(flat, 4, mask_overhead=0.25, layout_costs=timed)
+    for plan in (chooser, untimed):
+        for _ in range(200):
+            plan.observe(4, 4)  # every draft accepted
+    assert chooser.choose() == DraftPlan(3, (1,)) and untimed.choose() != DraftPlan(3, (1,))
+
+
+def test_layout_costs_are_timed_as_real_passes_once_and_cached(tmp_path, monkeypatch):
+    from hf_tidar.generation import cost_profile
+
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    model = train_counting_tidar(block_size=2, steps=1).float()
+    calls = []
+    original = model.structured_hidden_states
+
+    def spy(ids, layout, cache, mask=None, position_ids=None, mask_tail_start=None, **kw):
+        calls.append((ids.shape[1], int((ids == model.config.mask_token_id).sum()), mask_tail_start, mask.shape[-1]))
+        return original(ids, layout, cache, mask=mask, position_ids=position_ids, mask_tail_start=mask_tail_start)
+
+    monkeypatch.setattr(model, "structured_hidden_states", spy)
+    plans = [DraftPlan(2, (1, 2)), DraftPlan(1, (1,)), DraftPlan(3, ()), DraftPlan(30, tuple(range(1, 31)))]
+    costs = cost_profile.load_or_measure_layout_costs(model, plans)
+    assert set(costs) == set(plans[:3]) and all(t > 0 for t in costs.values())  # 30 x 31 rows: from the curve
+    per_round = [(6, 4, 2, 256 + 6), (2, 1, 1, 256 + 2), (3, 0, None, 256 + 3)]
+    assert calls == per_round * (cost_profile.PROFILE_REPEATS + 1)  # interleaved rounds, the first a warm-up
+    calls.clear()
+    again = cost_profile.load_or_measure_layout_costs(model, plans[:2] + [DraftPlan(2, (1,))])
+    assert calls == [(4, 2, 2, 256 + 4)] * (cost_profile.PROFILE_REPEATS + 1)  # only the new plan is timed
+    assert again[plans[0]] == costs[plans[0]]
 
 
 def test_a_pass_projects_drafts_and_every_groups_slots_after_its_first():

@@ -22,11 +22,12 @@ from .cost_profile import (
     adapter_tag,
     interpolate,
     load_or_measure_costs,
+    load_or_measure_layout_costs,
     load_or_measure_lm_head_cost,
     load_or_measure_mask_overhead,
     profile_key,
 )
-from .draft_plan import DraftPlan
+from .draft_plan import DraftPlan, verification_plan
 
 REPLAN_EVERY = 8  # passes between layout choices
 
@@ -75,8 +76,9 @@ class AutoDraftPlan:
     """Chooses ``(k, groups)`` from measured costs and running acceptance; one per model."""
 
     def __init__(self, costs: dict[int, float], block_size: int, lm_head_row_cost: float = 0.0,
-                 mask_overhead: float = 0.0):
+                 mask_overhead: float = 0.0, layout_costs: dict[DraftPlan, float] | None = None):
         self.costs = costs
+        self.layout_costs = layout_costs or {}
         self.block_size = block_size
         self.lm_head_row_cost = lm_head_row_cost
         self.mask_overhead = mask_overhead
@@ -101,6 +103,10 @@ class AutoDraftPlan:
             block = model.config.block_size
             chooser = cls(load_or_measure_costs(model, block * (block + 1)), block,
                           load_or_measure_lm_head_cost(model), load_or_measure_mask_overhead(model))
+            # The passes it will price, timed as they run: every candidate and the verification-only passes
+            # of prompt-lookup drafts (up to a block of drafts after the verified token).
+            verification = [verification_plan(k) for k in range(1, block + 2)]
+            chooser.layout_costs = load_or_measure_layout_costs(model, chooser.candidates + verification)
             chooser.key = key
             model._tidar_auto_plan = chooser
         return chooser
@@ -114,9 +120,12 @@ class AutoDraftPlan:
         self._since_choice += 1
 
     def step_cost(self, layout: DraftPlan) -> float:
-        """Seconds of one pass: the profiled forward (which projects ``min(q, 4)`` rows onto the vocabulary)
-        plus the LM head on the rest of the rows a step projects (``layout.projected_rows``), plus the
-        adapter's work on the mask rows when the layout has mask groups."""
+        """Seconds of one pass: the layout's own timed pass where it was timed (:attr:`layout_costs`), else the
+        profiled forward (which projects ``min(q, 4)`` rows onto the vocabulary) plus the LM head on the rest
+        of the rows a step projects (``layout.projected_rows``), plus the adapter's work on the mask rows when
+        the layout has mask groups."""
+        if layout in self.layout_costs:
+            return self.layout_costs[layout]
         q = layout.query_len
         extra_rows = max(0, len(layout.projected_rows) - min(q, 4))
         masks = self.mask_overhead if layout.groups else 0.0

@@ -42,6 +42,16 @@ SKEWED_LOAD_PER_CPU = 1.5
 NOISY_SPREAD = 0.3
 
 
+def _real_tokens(model, length: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``[1, length]`` random token ids on the model's device, never its ``[MASK]`` (which a gated adapter
+    reads as the start of a mask tail)."""
+    ids = torch.randint(0, model.config.get_text_config().vocab_size, (1, length), generator=generator)
+    mask_id = getattr(model.config, "mask_token_id", None)
+    if mask_id is not None:
+        ids[ids == mask_id] = 0
+    return ids.to(model.device)
+
+
 def _grid(max_query: int) -> list[int]:
     """Query lengths to time: dense where small, then doubling (costs are interpolated between)."""
     points, q = [1, 2, 3, 4, 6, 8], 8
@@ -81,11 +91,10 @@ def measure_forward_cost(
     timing one length after another bends the curve. ``on_round()`` is called after each round.
     """
     device = model.device
-    vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (1, cache_len), device=device)
+    prompt = _real_tokens(model, cache_len)
     cache = DraftCache(config=model.config.get_text_config())
     model.model(input_ids=prompt, cache=cache, use_cache=True)
-    inputs = {q: (torch.randint(0, vocab, (1, q), device=device), *_step_inputs(model, q, cache_len))
+    inputs = {q: (_real_tokens(model, q), *_step_inputs(model, q, cache_len))
               for q in query_lengths}
     times: dict[int, list[float]] = {q: [] for q in query_lengths}
     for round_number in range(repeats + 1):  # round 0 warms up
@@ -124,6 +133,83 @@ def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
     return dict(zip(sorted(costs), fitted, strict=True))
 
 
+LAYOUT_MAX_QUERY = 48
+"""Layouts up to this many query tokens are timed as real passes (:func:`measure_layout_costs`); longer
+ones are priced from the curve."""
+
+
+@torch.no_grad()
+def measure_layout_costs(model, plans, cache_len: int = PROFILE_CACHE_LEN, repeats: int = PROFILE_REPEATS,
+                         on_round=None) -> dict:
+    """Median seconds of one real decode pass per draft plan, in interleaved rounds against one prefill.
+
+    Each pass is what the decoder runs: ``k`` draft tokens then the plan's ``[MASK]`` groups under its
+    decode mask (a gated adapter working on the mask rows), and the plan's projected rows through the LM
+    head. A verification-only plan (no groups) is ``k`` draft tokens. Timing the passes themselves rather
+    than summing parts (a curve over clean tokens, a per-row head cost, a mask-row surcharge) keeps what
+    the parts miss: on one CPU a 4-row pass with 2 ``[MASK]`` rows measured slower than a 6-row one with 3.
+    """
+    from ..masks import tidar_decode_layout
+
+    device = model.device
+    generator = torch.Generator().manual_seed(0)
+    prompt = _real_tokens(model, cache_len, generator)
+    cache = DraftCache(config=model.config.get_text_config())
+    model.model(input_ids=prompt, cache=cache, use_cache=True)
+    prefix = torch.ones(1, cache_len, dtype=torch.bool, device=device)
+    inputs = {}
+    for plan in plans:
+        k = plan.draft_len
+        mask, positions = model.rendered_layout(tidar_decode_layout(prefix, k, plan.groups))
+        drafts = _real_tokens(model, k, generator)
+        masks = torch.full((1, plan.query_len - k), model.require_mask_token_id() if plan.groups else 0, device=device)
+        rows = torch.tensor(plan.projected_rows, device=device)
+        inputs[plan] = (torch.cat([drafts, masks], dim=1), mask, positions, rows)
+    times = {plan: [] for plan in plans}
+    for round_number in range(repeats + 1):  # round 0 warms up
+        for plan in plans:
+            ids, mask, positions, rows = inputs[plan]
+            sync_device(device)
+            start = time.perf_counter()
+            hidden = model.structured_hidden_states(ids, None, cache, mask=mask, position_ids=positions,
+                                                    mask_tail_start=plan.draft_len if plan.groups else None)
+            model.vocab_logits(hidden[:, rows])
+            sync_device(device)
+            if round_number:
+                times[plan].append(time.perf_counter() - start)
+            cache.keep_first(cache_len)
+        if on_round is not None:
+            on_round()
+    return {plan: sorted(samples)[len(samples) // 2] for plan, samples in times.items()}
+
+
+def load_or_measure_layout_costs(model, plans) -> dict:
+    """:func:`measure_layout_costs` for the plans of at most :data:`LAYOUT_MAX_QUERY` query tokens, once per
+    model/device/dtype/threads and adapter form, cached on disk (plans keyed as ``"k:g1,g2"``)."""
+    path = cache_root() / "profiles" / f"{profile_key(model)}.layouts-{adapter_tag(model)}.json"
+    wanted = [plan for plan in plans if plan.query_len <= LAYOUT_MAX_QUERY]
+
+    def key(plan) -> str:
+        return f"{plan.draft_len}:{','.join(map(str, plan.groups))}"
+
+    try:
+        stored = json.loads(path.read_text())["seconds"]
+    except (OSError, ValueError, KeyError, TypeError):
+        stored = {}
+    missing = [plan for plan in wanted if key(plan) not in stored]
+    if missing:
+        logger.info(f"draft_layout='auto': timing {len(missing)} draft layouts as real passes (once; cached in {path}).")
+        with tqdm(total=PROFILE_REPEATS + 1, desc="Timing draft layouts", unit="round", leave=False,
+                  disable=not _stderr_is_terminal()) as bar:
+            measured = measure_layout_costs(model, missing, on_round=bar.update)
+        stored.update({key(plan): seconds for plan, seconds in measured.items()})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        partial.write_text(json.dumps({"seconds": stored}, indent=1))
+        partial.replace(path)
+    return {plan: stored[key(plan)] for plan in wanted}
+
+
 @torch.no_grad()
 def measure_lm_head_cost(model, repeats: int = PROFILE_REPEATS) -> float:
     """Median seconds the LM head adds per extra row (timed on ``LM_HEAD_ROWS`` rows against one).
@@ -156,13 +242,13 @@ def measure_mask_overhead(model, repeats: int = PROFILE_REPEATS) -> float:
     on clean tokens, so a verification-only pass (no mask) is priced by the curve and a pass with mask groups
     by the curve plus this.
     """
-    device, vocab = model.device, model.config.get_text_config().vocab_size
+    device = model.device
     generator = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, vocab, (1, PROFILE_CACHE_LEN), generator=generator).to(device)
+    prompt = _real_tokens(model, PROFILE_CACHE_LEN, generator)
     cache = DraftCache(config=model.config.get_text_config())
     model.model(input_ids=prompt, cache=cache, use_cache=True)
     q = MASK_PROBE_QUERY
-    clean = torch.randint(0, vocab, (1, q), generator=generator).to(device)
+    clean = _real_tokens(model, q, generator)
     masked = clean.clone()
     masked[:, q // 2 :] = model.require_mask_token_id()
     positions, mask = _step_inputs(model, q, PROFILE_CACHE_LEN)
@@ -349,8 +435,7 @@ def _warn_skewed_once(path: str, reason: str) -> None:
 @torch.no_grad()
 def _probe_prefill(model) -> tuple[float, float]:
     """Median seconds of a ``PROFILE_CACHE_LEN``-token prefill (each profile step runs one) and their spread."""
-    vocab = model.config.get_text_config().vocab_size
-    prompt = torch.randint(0, vocab, (1, PROFILE_CACHE_LEN), device=model.device)
+    prompt = _real_tokens(model, PROFILE_CACHE_LEN)
     times = []
     for _ in range(PROBE_RUNS):
         sync_device(model.device)
