@@ -73,6 +73,17 @@ def test_demo_runs_and_reports_identical_output(capsys):
     assert rows[0]["tokens_per_forward"] >= 1 and rows[0]["ar_tokens_per_s"] > 0
 
 
+def test_demo_in_bfloat16_is_identical_to_ar_on_the_cpu_path(capsys):
+    from hf_tidar.cpu.kernel import few_row_kernel
+
+    if few_row_kernel(torch.bfloat16) is None:
+        pytest.skip("exact bfloat16 needs the kernel's AVX-512 BF16 build")
+    args = ["demo", "--prompts", "2", "--max-new-tokens", "24", "--json", "--no-install", "--dtype", "bfloat16"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == 2 and all(row["identical"] and row["same_path_ar_tokens_per_s"] > 0 for row in rows)
+
+
 def test_pass_cost_benchmark_times_every_row():
     import importlib.util
     from pathlib import Path
