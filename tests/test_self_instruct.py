@@ -20,6 +20,11 @@ def test_the_first_well_formed_question_of_a_reply_is_kept():
     assert extract_question("Why?") is None  # too short
     assert extract_question("An AI assistant, no doubt about that.") is None  # no question at all
     assert extract_question("how do magnets work?") is None  # not a sentence
+    assert extract_question("Question: What's a fun grammar trick?") == "What's a fun grammar trick?"  # no label
+    assert extract_question("One question: Can you answer this: How do bees find flowers?") == \
+        "How do bees find flowers?"
+    assert extract_question("A: What a great topic. How do tides follow the moon?") == "How do tides follow the moon?"
+    assert extract_question("I'm ready to assist with questions like this. What do you have?") is None
 
 
 def test_questions_are_distinct_seeded_and_never_a_held_out_prompt():

@@ -51,8 +51,10 @@ SEED_TOPICS = (
 REQUEST = "Write one question that someone might ask an AI assistant about {topic}. Reply with the question only."
 """What the model is asked, per topic."""
 
-_QUESTION = re.compile(r"[A-Z][^?\n\"]{10,200}\?")
-_GENERIC = ("your question", "you asked", "ask me", "ai assistant", "an assistant")
+# A question is one sentence: it starts a reply, a line or a sentence, or follows a colon ("Question: ...").
+_QUESTION = re.compile(r"(?:^|(?<=[\n.!?:\"]))\s*([A-Z][^?\n\".!:]{10,200}\?)")
+_GENERIC = ("your question", "you asked", "you asking", "ask me", "ai assistant", "an assistant", "you have",
+            "this one", "you like to know")
 
 
 def held_out_prompts() -> list[str]:
@@ -66,10 +68,11 @@ def held_out_prompts() -> list[str]:
 
 
 def extract_question(reply: str) -> str | None:
-    """The first well-formed question in a reply: capitalised, 12-200 characters, ending in ``?``, at least
-    four words, and not about the asking itself ("What's your question?"); ``None`` if there is none."""
+    """The first well-formed question in a reply: one capitalised sentence of 12-200 characters ending in ``?``
+    (after a label such as "Question:", without it), at least four words, and not about the asking itself
+    ("What's your question?"); ``None`` if there is none."""
     for match in _QUESTION.finditer(reply):
-        question = match.group(0).strip()
+        question = match.group(1).strip()
         lowered = question.lower()
         if len(question.split()) >= 4 and not any(word in lowered for word in _GENERIC):
             return question
