@@ -138,7 +138,7 @@ def test_bf16_tidar_equals_ar_bit_for_bit_on_the_measured_path(tmp_path, monkeyp
         with pytest.warns(UserWarning, match="rounds differently"):  # off the path, greedy bf16 may differ
             model.generate(torch.tensor([[1, 2, 3]]), strategy="tidar", max_new_tokens=2, do_sample=False)
         model = cpu.enable(model)
-        assert cpu.rows_are_call_invariant(model)
+        assert cpu.rows_are_call_invariant(model) and not cpu.rows_are_call_invariant(model, measured.MAX_ROWS + 1)
         accepted = 0
         for length in range(3, 40, 3):
             prompt = torch.randint(0, 30, (1, length), generator=g)
@@ -152,3 +152,16 @@ def test_bf16_tidar_equals_ar_bit_for_bit_on_the_measured_path(tmp_path, monkeyp
         ar, tidar = _generate_both(model, prompts, attention)  # left-padded rows, holes in TiDAR's cache
         assert torch.equal(tidar.sequences, ar)
         assert model is random or accepted >= 10
+
+
+def test_a_pass_longer_than_the_kernel_takes_is_warned_about(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    model = TidarForCausalLM.from_ar(tiny_ar_model("llama").float(), block_size=8).to(torch.bfloat16).eval()
+    cpu.enable(model)
+    settings = dict(strategy="tidar", max_new_tokens=2, do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.generate(torch.tensor([[1, 2, 3]]), draft_length=5, **settings)  # 5 + 25 rows: on the kernel
+    assert not [w for w in caught if "rounds differently" in str(w.message)]
+    with pytest.warns(UserWarning, match="rounds differently"):  # 6 + 36 rows: past the kernel's 32
+        model.generate(torch.tensor([[1, 2, 3]]), draft_length=6, **settings)

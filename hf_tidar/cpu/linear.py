@@ -352,11 +352,14 @@ def disable(model: nn.Module) -> nn.Module:
     return model
 
 
-def rows_are_call_invariant(model: nn.Module) -> bool:
-    """Whether a token's logits have the same bits in a one-token AR step and in any TiDAR pass: every linear
-    on the few-row kernel at every row count, and the row-invariant ``tidar_cpu`` attention."""
+def rows_are_call_invariant(model: nn.Module, query_rows: int = 1) -> bool:
+    """Whether a token's logits have the same bits in a one-token AR step and in a pass of up to ``query_rows``
+    query tokens: every linear on the few-row kernel at every row count (up to :data:`MAX_ROWS`; a longer
+    pass, such as k = 6 with every group, goes to ``F.linear``), and the row-invariant ``tidar_cpu`` attention."""
     from .attention import ATTN_IMPLEMENTATION
 
+    if query_rows > MAX_ROWS:
+        return False
     config = getattr(getattr(model, "model", model), "config", None)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     return (getattr(config, "_attn_implementation", None) == ATTN_IMPLEMENTATION and bool(linears)

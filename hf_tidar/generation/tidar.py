@@ -76,7 +76,8 @@ def tidar_decode(
             stacklevel=user_stacklevel(),
         )
     else:
-        _warn_if_rounding_differs(model, generation_config)
+        largest = layout.query_len if isinstance(layout, DraftPlan) else layout.block_size * (layout.block_size + 1)
+        _warn_if_rounding_differs(model, generation_config, max(largest, lookup_length + 1))
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
@@ -86,11 +87,12 @@ def tidar_decode(
     return decoder.result(input_ids.shape[1])
 
 
-def _warn_if_rounding_differs(model, generation_config) -> None:
+def _warn_if_rounding_differs(model, generation_config, query_rows: int) -> None:
     """Say that greedy TiDAR may part from AR at near-ties when the model runs in half precision, unless it
-    runs on the row-invariant CPU path, where it cannot."""
+    runs on the row-invariant CPU path (with passes of at most ``query_rows``), where it cannot."""
     dtype = model.get_input_embeddings().weight.dtype
-    if generation_config.do_sample or dtype not in (torch.float16, torch.bfloat16) or rows_are_call_invariant(model):
+    if generation_config.do_sample or dtype not in (torch.float16, torch.bfloat16) or \
+            rows_are_call_invariant(model, query_rows):
         return
     warnings.warn(
         f"The model runs in {str(dtype).removeprefix('torch.')}: a TiDAR pass verifies several tokens in one "
