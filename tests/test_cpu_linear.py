@@ -82,7 +82,7 @@ def test_few_row_kernel_is_a_linear_plus_a_low_rank_tail(isa, dtype, in_features
         out = kernel(x, weight, None, None, None, 0)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), exact, **_tolerances(dtype))
-        for tail in (0, rows - 1, rows):
+        for tail in sorted({0, rows // 2, rows - 1, rows}):  # tails inside a row tile and at its edges
             expected = exact + bias.float()
             expected[tail:] += x[tail:].float() @ lora_a.float().t() @ lora_b.float().t()
             out = kernel(x, weight, bias, lora_a, lora_b, tail)
@@ -100,9 +100,12 @@ def test_few_row_kernel_gives_a_row_the_same_bits_whatever_the_row_count(isa, dt
     for i in range(11):
         assert torch.equal(together[i], kernel(x[i : i + 1], weight, None, None, None, 1)[0])
     assert torch.equal(together[3:7], kernel(x[3:7].contiguous(), weight, None, None, None, 4))
-    # A clean row's bits do not depend on the LoRA tail after it either.
+    # A clean row's bits do not depend on the LoRA tail after it either, even in a tile it shares with tail rows
+    # (row 6 shares a tile with rows 4 and 5), and a tail row's bits do not depend on the clean rows before it.
     with_tail = kernel(x, weight, None, lora_a, lora_b, 6)
     assert torch.equal(with_tail[:6], together[:6]) and not torch.equal(with_tail[6:], together[6:])
+    for i in range(6, 11):
+        assert torch.equal(with_tail[i], kernel(x[i : i + 1], weight, None, lora_a, lora_b, 0)[0])
 
 
 @needs_kernel

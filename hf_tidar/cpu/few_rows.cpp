@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #ifndef HF_TIDAR_KERNEL_LIBRARY
@@ -150,9 +151,12 @@ struct Avx512Bf16 {
 
 // One segment of MR x NR dot products by policy P: MR rows of a (stride lda) against NR rows of b (stride
 // ldb), length n. Returns where a scalar remainder starts (n where the last partial step is masked).
+// Rows before `first` are left alone (a LoRA segment covers only the tile's tail rows; `a` then starts at row
+// `first`).
 template <class V, class P, int MR, int NR>
 inline int64_t dot_segment(typename V::Acc (&acc)[MR][NR], const typename P::A* a, int64_t lda,
-                           const typename P::B* b, int64_t ldb, int64_t n, const char*& next, const char* end) {
+                           const typename P::B* b, int64_t ldb, int64_t n, const char*& next, const char* end,
+                           int first = 0) {
   constexpr int64_t kPrefetchBytes = NR * P::kStep * int64_t(sizeof(typename P::B));  // as much as a step uses
   int64_t k = 0;
   for (; k + P::kStep <= n; k += P::kStep) {
@@ -160,8 +164,8 @@ inline int64_t dot_segment(typename V::Acc (&acc)[MR][NR], const typename P::A* 
       _mm_prefetch(next, _MM_HINT_T0);  // the next tile's weight rows are on their way while this one computes
     typename P::Vec bv[NR];
     for (int j = 0; j < NR; ++j) bv[j] = P::load_b(b + j * ldb + k);
-    for (int i = 0; i < MR; ++i) {
-      const typename P::Vec av = P::load_a(a + i * lda + k);
+    for (int i = first; i < MR; ++i) {
+      const typename P::Vec av = P::load_a(a + (i - first) * lda + k);
       for (int j = 0; j < NR; ++j) P::fma(acc[i][j], av, bv[j]);
     }
   }
@@ -170,8 +174,8 @@ inline int64_t dot_segment(typename V::Acc (&acc)[MR][NR], const typename P::A* 
       const int left = int(n - k);
       typename P::Vec bv[NR];
       for (int j = 0; j < NR; ++j) bv[j] = P::load_b(b + j * ldb + k, left);
-      for (int i = 0; i < MR; ++i) {
-        const typename P::Vec av = P::load_a(a + i * lda + k, left);
+      for (int i = first; i < MR; ++i) {
+        const typename P::Vec av = P::load_a(a + (i - first) * lda + k, left);
         for (int j = 0; j < NR; ++j) P::fma(acc[i][j], av, bv[j]);
       }
     }
@@ -180,54 +184,53 @@ inline int64_t dot_segment(typename V::Acc (&acc)[MR][NR], const typename P::A* 
   return k;
 }
 
-// y[i, j] = x_i · w_j (+ z_i · b_j for a LoRA tail) (+ bias_j) for an MR x NR tile. The LoRA segment extends
-// the same accumulators (a tail row is [x | z] against [w | b]), so the update costs R / K more work and
-// streams b, in nn.Linear's [N, R] layout, next to w.
+// y[i, j] = x_i · w_j (+ z_i · b_j for the tile's rows from `first` on, a LoRA tail) (+ bias_j) for an MR x NR
+// tile; z holds the codes of rows first.. only. The LoRA segment extends the same accumulators (a tail row is
+// [x | z] against [w | b]), so the update costs R / K more work and streams b, in nn.Linear's [N, R] layout,
+// next to w. Every row has its own accumulators, so a tile may mix clean and tail rows: a row's sums are the
+// same whichever rows share its tile.
 template <class V, int MR, int NR, class Out>
-inline void dot_tile(const typename V::T* x, int64_t K, const typename V::T* w, const float* z,
+inline void dot_tile(const typename V::T* x, int64_t K, const typename V::T* w, const float* z, int first,
                      const typename V::T* b, int64_t R, Out* y, int64_t ldy, const typename V::T* bias,
                      const char*& next, const char* end) {
   typename V::Acc acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
   const int64_t k = dot_segment<V, typename V::Main, MR, NR>(acc, x, K, w, K, K, next, end);
-  const int64_t r = z ? dot_segment<V, typename V::Lora, MR, NR>(acc, z, R, b, R, R, next, end) : 0;
+  const int64_t r = z ? dot_segment<V, typename V::Lora, MR, NR>(acc, z, R, b, R, R, next, end, first) : 0;
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       float s = V::sum(acc[i][j]);
       for (int64_t kk = k; kk < K; ++kk) s += to_float(x[i * K + kk]) * to_float(w[j * K + kk]);
-      if (z)
-        for (int64_t rr = r; rr < R; ++rr) s += z[i * R + rr] * to_float(b[j * R + rr]);
+      if (z && i >= first)
+        for (int64_t rr = r; rr < R; ++rr) s += z[(i - first) * R + rr] * to_float(b[j * R + rr]);
       store(y + i * ldy + j, bias ? s + to_float(bias[j]) : s);
     }
 }
 
-// Rows [m0, m1) of x (and of z, which starts at row m0) against NR weight rows: tiles of kRows, then the rest.
-template <class V, int NR, class Out>
-inline void row_range(const typename V::T* x, int64_t m0, int64_t m1, int64_t K, const typename V::T* w,
-                      const float* z, const typename V::T* b, int64_t R, Out* y, int64_t N,
-                      const typename V::T* bias, const char*& next, const char* end) {
-  static_assert(V::kRows == 4, "the remainder switch below covers 1-3 rows");
-  auto z_at = [&](int64_t m) { return z ? z + (m - m0) * R : nullptr; };
-  int64_t m = m0;
-  for (; m + V::kRows <= m1; m += V::kRows)
-    dot_tile<V, V::kRows, NR>(x + m * K, K, w, z_at(m), b, R, y + m * N, N, bias, next, end);
-  switch (m1 - m) {
-    case 3: dot_tile<V, 3, NR>(x + m * K, K, w, z_at(m), b, R, y + m * N, N, bias, next, end); break;
-    case 2: dot_tile<V, 2, NR>(x + m * K, K, w, z_at(m), b, R, y + m * N, N, bias, next, end); break;
-    case 1: dot_tile<V, 1, NR>(x + m * K, K, w, z_at(m), b, R, y + m * N, N, bias, next, end); break;
-    default: break;
-  }
-}
-
-// One column block of NR weight rows: the rows before the tail as a plain product, the tail with its LoRA
-// segment (no tile mixes the two, so a clean row's result never depends on the tail).
+// All M rows of x against NR weight rows, in tiles of kRows (then the rest), rows from `tail` on with their
+// LoRA codes z ([M - tail, R]; none if z is null). One pass over the weight tile serves clean and tail rows
+// alike: splitting them cost up to 50% more in float32 (measured: 1536x576, 2 clean + 2 tail rows, 173 µs
+// against 116-127 µs in one tile).
 template <class V, int NR, class Out>
 inline void column_block(const typename V::T* x, int64_t M, int64_t K, const typename V::T* w, const float* z,
                          const typename V::T* b, int64_t R, int64_t tail, Out* y, int64_t N,
                          const typename V::T* bias, const char* next, const char* end) {
-  row_range<V, NR>(x, 0, tail, K, w, nullptr, nullptr, 0, y, N, bias, next, end);
-  row_range<V, NR>(x, tail, M, K, w, z, b, R, y, N, bias, next, end);
+  static_assert(V::kRows == 4, "the remainder switch below covers 1-3 rows");
+  auto tile = [&](auto rows, int64_t m) {
+    constexpr int MR = decltype(rows)::value;
+    const int first = z ? int(std::clamp<int64_t>(tail - m, 0, MR)) : MR;
+    const float* codes = first < MR ? z + (m + first - tail) * R : nullptr;
+    dot_tile<V, MR, NR>(x + m * K, K, w, codes, first, b, R, y + m * N, N, bias, next, end);
+  };
+  int64_t m = 0;
+  for (; m + V::kRows <= M; m += V::kRows) tile(std::integral_constant<int, V::kRows>{}, m);
+  switch (M - m) {
+    case 3: tile(std::integral_constant<int, 3>{}, m); break;
+    case 2: tile(std::integral_constant<int, 2>{}, m); break;
+    case 1: tile(std::integral_constant<int, 1>{}, m); break;
+    default: break;
+  }
 }
 
 template <class V, int NR, class Out>
