@@ -147,6 +147,23 @@ def test_the_first_auto_layout_call_says_what_it_measures_and_where_it_is_cached
     assert "[hf_tidar]" not in capsys.readouterr().err  # cached: nothing measured, nothing said
 
 
+def test_a_profile_on_the_measured_cpu_path_follows_the_kernel_build(small_tidar, monkeypatch):
+    # A rebuilt (or another) few-row kernel changes every pass's cost: its profile must not be reused.
+    from hf_tidar import cpu
+    from hf_tidar.cpu import linear
+
+    plain = cost_profile.profile_path(small_tidar)
+    cpu.enable(small_tidar)
+    try:
+        measured = cost_profile.profile_path(small_tidar)
+        monkeypatch.setattr(linear, "build_key", lambda *a: "another-build")
+        monkeypatch.setattr(linear, "few_row_kernel", lambda *a: object())
+        rebuilt = cost_profile.profile_path(small_tidar)
+    finally:
+        cpu.disable(small_tidar)
+    assert len({plain, measured, rebuilt}) == 3 and cost_profile.profile_path(small_tidar) == plain
+
+
 def test_profiling_shows_progress_on_a_terminal(small_tidar, capsys, monkeypatch):
     monkeypatch.setattr(cost_profile, "_stderr_is_terminal", lambda: True)
     cost_profile.load_or_measure_costs(small_tidar, 4)

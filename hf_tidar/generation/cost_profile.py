@@ -316,8 +316,10 @@ def profile_key(model) -> str:
     digest = hashlib.sha256(config.encode()).hexdigest()[:16]
     attn = model.config.get_text_config()._attn_implementation
     from ..cpu import is_enabled  # the measured linear path changes every cost
+    from ..cpu.linear import machine_key
 
-    linears = "-measured" if is_enabled(model) else ""
+    # On that path the costs also follow the CPU and the kernel's build: a rebuilt kernel is timed afresh.
+    linears = f"-measured-{machine_key()}" if is_enabled(model) else ""
     return (f"v{PROFILE_VERSION}-{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
             f"-t{torch.get_num_threads()}{linears}")
 
