@@ -7,7 +7,7 @@ from toy import tiny_ar_model
 
 from hf_tidar import TidarForCausalLM
 from hf_tidar.generation import auto_plan
-from hf_tidar.generation.drafters import NgramIndex, SourceChooser
+from hf_tidar.generation.drafters import DiffusionDrafter, NgramIndex, SourceChooser, runner_up
 from hf_tidar.prompt_encoding import left_pad
 
 
@@ -140,3 +140,43 @@ def test_auto_layout_drafts_by_lookup_where_it_pays_and_stays_exact(looping_mode
     assert torch.equal(out, ar)
     mask_id = looping_model.config.mask_token_id
     assert any(not bool((q == mask_id).any()) for q in queries[1:])  # "best" is auto's default source
+
+
+# -- greedy diffusion drafts avoid an immediate repeat ------------------------------------------------
+
+
+def test_a_greedy_slot_drafts_its_second_best_where_its_best_repeats_the_token_before_it():
+    drafter = DiffusionDrafter(scorer=None, mask_id=0, do_sample=False)
+    # Slot 1's best (5) is the verified token before it; slot 3's best (7) is slot 2's draft.
+    assert drafter.greedy_drafts(5, [5, 7, 7], [9, 8, 3]) == [9, 7, 3]
+    assert drafter.greedy_drafts(5, [6, 7], [9, 8]) == [6, 7]  # no repeat: the argmaxes
+
+
+def test_repeats_can_be_allowed_to_compare(monkeypatch):
+    monkeypatch.setattr(DiffusionDrafter, "avoid_repeats", False)
+    assert DiffusionDrafter(scorer=None, mask_id=0, do_sample=False).greedy_drafts(5, [5, 7, 7], [9, 8, 3]) == [5, 7, 7]
+
+
+def test_the_runner_up_is_never_a_token_the_processors_ruled_out():
+    scores = torch.tensor([[0.0, 3.0, 2.0, 1.0], [float("-inf"), 1.0, float("-inf"), float("-inf")]])
+    assert runner_up(scores, scores.argmax(-1)).tolist() == [2, 1]  # the second row allows one token only
+
+
+@pytest.mark.parametrize("processors", [{}, {"repetition_penalty": 1.3}], ids=["at-once", "per-slot"])
+def test_greedy_decoding_drafts_through_the_repeat_rule_and_stays_exact(counting_model, monkeypatch, processors):
+    calls = []
+    original = DiffusionDrafter.greedy_drafts
+
+    def recorded(self, previous, best, second):
+        drafts = original(self, previous, best, second)
+        calls.append(drafts)
+        return drafts
+
+    monkeypatch.setattr(DiffusionDrafter, "greedy_drafts", recorded)
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    tidar = counting_model.generate(prompt, max_new_tokens=16, strategy="tidar", do_sample=False,
+                                    return_dict_in_generate=True, **processors)
+    passes = int(tidar.forward_passes[0])
+    # Every block of drafts (after the prefill, and after every pass but the last) came through the rule.
+    assert len(calls) >= passes and sum(map(len, calls)) >= 2 * passes
+    assert torch.equal(tidar.sequences, counting_model.generate(prompt, max_new_tokens=16, do_sample=False, **processors))

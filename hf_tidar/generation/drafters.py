@@ -105,13 +105,43 @@ class Drafts:
     source: str = "diffusion"
 
 
+def runner_up(scores: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """Per row of ``scores`` ``[..., V]``, the second-best token after ``best`` (its argmax), or ``best`` itself
+    where no other token has a finite score (a processor allowed only one)."""
+    rest = scores.scatter(-1, best.unsqueeze(-1), float("-inf"))
+    values, second = rest.max(dim=-1)
+    return torch.where(torch.isfinite(values), second, best)
+
+
 class DiffusionDrafter:
-    """Drafts from a pass's diffusion slots, processed as AR decoding would process those positions."""
+    """Drafts from a pass's diffusion slots, processed as AR decoding would process those positions.
+
+    Greedy drafts avoid an immediate repeat (:meth:`greedy_drafts`): a one-step diffusion slot often puts
+    its neighbour's token first, one position late (``... the the``), and the token just before a slot
+    rarely follows itself.
+    """
+
+    avoid_repeats: bool = True
+    """Greedy slots whose best token repeats the token before them draft their second best. Measured with the
+    shipped SmolLM2 adapter on 12 held-out prompts (benchmarks/draft_repeats.py): +1% to +4.4% tokens per pass
+    (1.589 -> 1.660 at k = 4 with every group), the same output (drafts are verified). Set it to ``False`` on
+    the class to draft plain argmaxes (to compare)."""
 
     def __init__(self, scorer: Scorer, mask_id: int, do_sample: bool):
         self.scorer = scorer
         self.mask_id = mask_id
         self.do_sample = do_sample
+
+    def greedy_drafts(self, previous: int, best: list[int], second: list[int]) -> list[int]:
+        """Greedy drafts from the slots' best and second-best tokens (``previous``: the token before the first
+        slot): a slot whose best token is the draft (or token) right before it drafts its second best."""
+        if not self.avoid_repeats:
+            return list(best)
+        drafts = []
+        for first_choice, second_choice in zip(best, second, strict=True):
+            previous = second_choice if first_choice == previous else first_choice
+            drafts.append(previous)
+        return drafts
 
     def exclude_mask(self, logits: torch.Tensor) -> torch.Tensor:
         """Slot logits with ``[MASK]`` itself never proposed (a copy)."""
@@ -125,12 +155,21 @@ class DiffusionDrafter:
         tokens, rows_scores = [first], [slot_logits.new_zeros(slot_logits.shape[-1]).float()]
         if slot_logits.shape[0] and self.scorer.position_free:
             scores = self.scorer.many(prefix, slot_logits)
-            tokens += choose(scores, self.do_sample).tolist()
+            chosen = choose(scores, self.do_sample)
+            if self.do_sample:
+                tokens += chosen.tolist()
+            else:
+                best, second = torch.stack([chosen, runner_up(scores, chosen)]).tolist()
+                tokens += self.greedy_drafts(first, best, second)
             return Drafts(tokens, torch.cat([rows_scores[0][None], scores]))
         # Position-dependent processors: each slot is processed with the drafts before it appended.
         for logits in slot_logits:
             scores = self.scorer.one(row, prefix, logits)
-            token = int(choose(scores, self.do_sample))
+            chosen = choose(scores, self.do_sample)
+            if self.do_sample:
+                token = int(chosen)
+            else:
+                token = self.greedy_drafts(tokens[-1], [int(chosen)], [int(runner_up(scores, chosen))])[0]
             tokens.append(token)
             rows_scores.append(scores)
             prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)

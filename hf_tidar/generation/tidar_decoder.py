@@ -36,6 +36,7 @@ from .drafters import (
     LookupDrafter,
     NgramIndex,
     SourceChooser,
+    runner_up,
 )
 from .stopping import TokenStopper
 from .tidar_output import decode_result
@@ -70,10 +71,12 @@ class Row:
 
 @dataclass
 class Choices:
-    """One row's processed scores ``[n, V]`` over a pass's projected rows and their greedy tokens."""
+    """One row's processed scores ``[n, V]`` over a pass's projected rows, their greedy tokens and each row's
+    second best (for the drafts: :meth:`DiffusionDrafter.greedy_drafts`)."""
 
     scores: torch.Tensor
     tokens: list[int]
+    runners_up: list[int]
 
 
 class TidarDecoder:
@@ -284,8 +287,9 @@ class TidarDecoder:
         logits = self.diffusion.exclude_mask(logits)  # [MASK] excluded on the AR rows too: the processors suppress it there
         scores = torch.stack([self.scorer.many(self.rows[row_id].sequence, logits[index])
                               for index, row_id in enumerate(active)])
-        tokens = scores.argmax(-1).tolist()  # the pass's one device-to-host read
-        return [Choices(scores[index], tokens[index]) for index in range(len(active))]
+        best = scores.argmax(-1)
+        tokens, seconds = torch.stack([best, runner_up(scores, best)]).tolist()  # the pass's one device-to-host read
+        return [Choices(scores[index], tokens[index], seconds[index]) for index in range(len(active))]
 
     def pass_plan(self, drafts: list[Drafts]) -> DraftPlan:
         """This pass's layout: verification only when every row drafted by prompt lookup, else the
@@ -353,7 +357,8 @@ class TidarDecoder:
                 continue
             rows = layout.next_draft_rows(emitted[index])
             if chosen is not None:  # greedy: the tokens are chosen already, and no draft scores are needed
-                next_drafts.append(self.next_block(row, row.last, None, chosen[index].tokens[rows]))
+                slots = self.diffusion.greedy_drafts(row.last, chosen[index].tokens[rows], chosen[index].runners_up[rows])
+                next_drafts.append(self.next_block(row, row.last, None, slots))
             else:
                 next_drafts.append(self.next_block(row, row.last, self.diffusion.exclude_mask(logits[index, rows])))
         return next_drafts
