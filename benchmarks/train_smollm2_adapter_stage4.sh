@@ -50,17 +50,8 @@ train() {
     --bf16 --use-cpu --json
 }
 
-export_adapter() {  # a Trainer checkpoint -> an adapter folder (adapter weights in fp16 + the gate file)
-  ${PYTHON:-python} - "$1" "$2" <<'PY'
-import sys
-
-from hf_tidar.checkpoints import load_smollm2
-from hf_tidar.training.gated_lora import export_gated_adapter, tidar_base_for_adapter
-
-ar, tokenizer = load_smollm2(quiet=True)
-export_gated_adapter(sys.argv[1], tidar_base_for_adapter(ar, tokenizer=tokenizer, block_size=4), sys.argv[2])
-print("adapter written to", sys.argv[2])
-PY
+export_adapter() {  # stage 3's export: a Trainer checkpoint -> an adapter folder (fp16 weights + the gate file)
+  bash "$(dirname "$0")/train_smollm2_adapter_stage3.sh" export "$1" "$2"
 }
 
 case "${1:?usage: $0 distill-code|distill-chat|train|export CHECKPOINT ADAPTER}" in

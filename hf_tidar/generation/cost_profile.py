@@ -96,22 +96,32 @@ def measure_forward_cost(
     model.model(input_ids=prompt, cache=cache, use_cache=True)
     inputs = {q: (_real_tokens(model, q), *_step_inputs(model, q, cache_len))
               for q in query_lengths}
-    times: dict[int, list[float]] = {q: [] for q in query_lengths}
+
+    def forward(q: int) -> None:
+        new, positions, mask = inputs[q]
+        hidden = model.model(input_ids=new, cache=cache, use_cache=True, position_ids=positions, attention_mask=mask)
+        model.vocab_logits(hidden.last_hidden_state[:, : min(q, 4)])  # logits only where used
+
+    return _interleaved_medians(query_lengths, forward, cache, cache_len, device, repeats, on_round)
+
+
+def _interleaved_medians(keys, run, cache, cache_len: int, device, repeats: int, on_round=None) -> dict:
+    """Median seconds of ``run(key)`` per key, timed in rounds (each round once over every key, after one
+    warm-up round) against one cache cropped back to ``cache_len`` after each call; ``on_round()`` after
+    each round."""
+    times = {key: [] for key in keys}
     for round_number in range(repeats + 1):  # round 0 warms up
-        for q in query_lengths:
-            new, positions, mask = inputs[q]
+        for key in keys:
             sync_device(device)
             start = time.perf_counter()
-            hidden = model.model(input_ids=new, cache=cache, use_cache=True, position_ids=positions,
-                                 attention_mask=mask)
-            model.vocab_logits(hidden.last_hidden_state[:, : min(q, 4)])  # logits only where used
+            run(key)
             sync_device(device)
             if round_number:
-                times[q].append(time.perf_counter() - start)
+                times[key].append(time.perf_counter() - start)
             cache.keep_first(cache_len)
         if on_round is not None:
             on_round()
-    return {q: sorted(samples)[len(samples) // 2] for q, samples in times.items()}
+    return {key: sorted(samples)[len(samples) // 2] for key, samples in times.items()}
 
 
 def monotone_costs(costs: dict[int, float]) -> dict[int, float]:
@@ -165,22 +175,14 @@ def measure_layout_costs(model, plans, cache_len: int = PROFILE_CACHE_LEN, repea
         masks = torch.full((1, plan.query_len - k), model.require_mask_token_id() if plan.groups else 0, device=device)
         rows = torch.tensor(plan.projected_rows, device=device)
         inputs[plan] = (torch.cat([drafts, masks], dim=1), mask, positions, rows)
-    times = {plan: [] for plan in plans}
-    for round_number in range(repeats + 1):  # round 0 warms up
-        for plan in plans:
-            ids, mask, positions, rows = inputs[plan]
-            sync_device(device)
-            start = time.perf_counter()
-            hidden = model.structured_hidden_states(ids, None, cache, mask=mask, position_ids=positions,
-                                                    mask_tail_start=plan.draft_len if plan.groups else None)
-            model.vocab_logits(hidden[:, rows])
-            sync_device(device)
-            if round_number:
-                times[plan].append(time.perf_counter() - start)
-            cache.keep_first(cache_len)
-        if on_round is not None:
-            on_round()
-    return {plan: sorted(samples)[len(samples) // 2] for plan, samples in times.items()}
+
+    def forward(plan) -> None:
+        ids, mask, positions, rows = inputs[plan]
+        hidden = model.structured_hidden_states(ids, None, cache, mask=mask, position_ids=positions,
+                                                mask_tail_start=plan.draft_len if plan.groups else None)
+        model.vocab_logits(hidden[:, rows])
+
+    return _interleaved_medians(plans, forward, cache, cache_len, device, repeats, on_round)
 
 
 def load_or_measure_layout_costs(model, plans) -> dict:
