@@ -169,7 +169,8 @@ class DiffusionDrafter:
             if self.do_sample:
                 token = int(chosen)
             else:
-                token = self.greedy_drafts(tokens[-1], [int(chosen)], [int(runner_up(scores, chosen))])[0]
+                best, second = torch.stack([chosen, runner_up(scores, chosen)]).tolist()  # one read per slot, as before
+                token = self.greedy_drafts(tokens[-1], [best], [second])[0]
             tokens.append(token)
             rows_scores.append(scores)
             prefix = torch.cat([prefix, prefix.new_tensor([[token]])], dim=1)

@@ -71,8 +71,8 @@ class Row:
 
 @dataclass
 class Choices:
-    """One row's processed scores ``[n, V]`` over a pass's projected rows, their greedy tokens and each row's
-    second best (for the drafts: :meth:`DiffusionDrafter.greedy_drafts`)."""
+    """One row's processed scores ``[n, V]`` over a pass's projected rows, their greedy tokens and each slot
+    row's second best (for the drafts: :meth:`DiffusionDrafter.greedy_drafts`; an AR row repeats its best)."""
 
     scores: torch.Tensor
     tokens: list[int]
@@ -271,24 +271,27 @@ class TidarDecoder:
         hidden = self._forward(drafts, state, layout)
         logits = self.model.vocab_logits(hidden[:, self._projected_index(layout)]).float()
         first_slots = logits[:, len(layout.projected_rows) :] if self.mixed else None
-        chosen = self._choose_at_once(active, logits) if self.greedy_at_once else None
+        chosen = self._choose_at_once(active, logits, layout.draft_len) if self.greedy_at_once else None
         emitted = self._verify_rows(active, drafts, logits[:, : layout.draft_len], first_slots, layout, chosen)
         most = max(emitted)
         self.cache.keep_first(state.length + most)  # the accepted drafts' KV; the rest of the pass goes
         state.commit(torch.tensor(emitted, device=self.device), most)
         return self._next_drafts(active, emitted, logits, layout, chosen)
 
-    def _choose_at_once(self, active: list[int], logits: torch.Tensor) -> list[Choices]:
+    def _choose_at_once(self, active: list[int], logits: torch.Tensor, slots_from: int) -> list[Choices]:
         """Greedy scores and tokens of every projected row of the pass, read back to the host once.
 
         Position-free processors ignore the prefix, so the AR rows (verification) and the slot rows (the
         next drafts, ``[MASK]`` excluded as :meth:`slot_logits` does) share one call per row and one argmax.
+        Second-best tokens are found for the slot rows only (from projected row ``slots_from`` on): only
+        drafts use them.
         """
         logits = self.diffusion.exclude_mask(logits)  # [MASK] excluded on the AR rows too: the processors suppress it there
         scores = torch.stack([self.scorer.many(self.rows[row_id].sequence, logits[index])
                               for index, row_id in enumerate(active)])
         best = scores.argmax(-1)
-        tokens, seconds = torch.stack([best, runner_up(scores, best)]).tolist()  # the pass's one device-to-host read
+        seconds = torch.cat([best[:, :slots_from], runner_up(scores[:, slots_from:], best[:, slots_from:])], dim=1)
+        tokens, seconds = torch.stack([best, seconds]).tolist()  # the pass's one device-to-host read
         return [Choices(scores[index], tokens[index], seconds[index]) for index in range(len(active))]
 
     def pass_plan(self, drafts: list[Drafts]) -> DraftPlan:
