@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -279,16 +280,22 @@ class StepMaskTemplate:
         # rendering), so one cached token stands for the whole prefix.
         self.block = to_bool_mask(one_token)[0, 0, :, 1:]  # [query, query]
         self.offsets = one_token.query_position_ids[0] - 1  # query positions relative to p
+        self.query_groups = one_token.group[0, 1:]  # CLEAN for drafts, the group id for masks
+        self.horizon_offsets = one_token.horizon[0, 1:] - 1  # query horizons relative to p
         self.query_len = self.block.shape[0]
 
 
 class DecodeMaskBuffer:
-    """The cache's validity and the rendered step mask of one decode, updated in place.
+    """The cache's validity and the rendered step masks of one decode, updated in place.
 
     Per step only what changed is written: the layout's query block at the cache's end (``q x q``)
     and, after verification, the validity of the slots just committed (``q x accepted``). The mask a
     step hands to sdpa is a view of a buffer that grows geometrically, so no per-step work scales with
     the sequence. Padding and holes (batch rows that accepted fewer drafts) are invalid slots.
+
+    Other backends get a :class:`StepRenderer` (see :data:`STEP_RENDERERS`) that keeps its own
+    rendering beside this one and updates only what changed since its last step; the renderers are
+    dropped whenever the buffer is restructured (grown, rows dropped, slots gathered) and start over.
     """
 
     def __init__(self, prefix_valid: torch.Tensor):
@@ -296,6 +303,7 @@ class DecodeMaskBuffer:
         self.length = prefix_valid.shape[1]
         self.positions = prefix_valid.long().sum(-1)  # real cached tokens per row = next position
         self._mask: torch.Tensor | None = None  # [batch, 1, q, capacity]
+        self._renderers: dict[str, StepRenderer] = {}
 
     @property
     def prefix_valid(self) -> torch.Tensor:
@@ -307,21 +315,33 @@ class DecodeMaskBuffer:
             grown = self.valid.new_zeros(self.valid.shape[0], 2 * needed)
             grown[:, : self.length] = self.prefix_valid
             self.valid = grown
-            self._mask = None
+            self._restructured()
+
+    def _restructured(self) -> None:
+        self._mask = None
+        self._renderers.clear()
 
     def step_mask(self, step: StepMaskTemplate, attn_implementation: str | None, dtype: torch.dtype) -> object:
         """The mask of the next step under layout ``step``, in the backend's format."""
         impl = attn_implementation or "sdpa"
-        if impl not in BOOL_MASK_BACKENDS and impl != "eager":
+        if impl in BOOL_MASK_BACKENDS:
+            return self.bool_step_mask(step)
+        if impl not in STEP_RENDERERS:  # a backend without a step renderer: the whole layout, every step
             return render_mask(tidar_decode_layout(self.prefix_valid, step.draft_len, step.groups), impl, dtype)
+        self._grow(self.length + step.query_len)  # renderers size their buffers after this one's capacity
+        if impl not in self._renderers:
+            self._renderers[impl] = STEP_RENDERERS[impl]()
+        return self._renderers[impl].render(self, step, dtype)
+
+    def bool_step_mask(self, step: StepMaskTemplate) -> torch.Tensor:
+        """``[batch, 1, q, length + q]`` bool mask of the next step: a view of the in-place buffer."""
         q, end = step.query_len, self.length + step.query_len
         self._grow(end)
         if self._mask is None or self._mask.shape[2] != q:  # first step, new layout or regrown buffer
             batch, capacity = self.valid.shape
             self._mask = self.valid[:, None, None, :].expand(batch, 1, q, capacity).clone()
         self._mask[..., self.length : end] = step.block
-        allowed = self._mask[..., :end]
-        return allowed if impl in BOOL_MASK_BACKENDS else _additive(allowed, dtype)
+        return self._mask[..., :end]
 
     def position_ids(self, step: StepMaskTemplate) -> torch.Tensor:
         """``[batch, q]`` position ids of the next step's queries."""
@@ -339,11 +359,97 @@ class DecodeMaskBuffer:
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep only the rows at ``index`` (finished rows leave the batch)."""
+        mask = self._mask[index] if self._mask is not None else None
         self.valid, self.positions = self.valid[index], self.positions[index]
-        self._mask = self._mask[index] if self._mask is not None else None
+        self._restructured()
+        self._mask = mask
 
     def gather_slots(self, index: torch.Tensor) -> None:
         """Keep, per row, the slots at ``index`` ``[batch, new_length]`` (the cache did the same)."""
         self.valid = self.prefix_valid.gather(1, index)
         self.length = index.shape[1]
-        self._mask = None
+        self._restructured()
+
+
+class StepRenderer(Protocol):
+    """One backend's decode-step mask, kept beside a :class:`DecodeMaskBuffer` and updated in place."""
+
+    def render(self, buffer: DecodeMaskBuffer, step: StepMaskTemplate, dtype: torch.dtype) -> object:
+        """The next step's mask; ``buffer`` holds the cache's validity, ``step`` the layout's fixed part."""
+        ...
+
+
+class AdditiveStepMasks:
+    """eager attention's additive float masks, copied from the bool buffer where it changed since the last step.
+
+    Each step changes the bool buffer only from the previous step's cache length on (the slots it
+    committed and the new query block), so that is all that is converted again.
+    """
+
+    def __init__(self) -> None:
+        self._source: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
+        self._synced = 0
+
+    def render(self, buffer: DecodeMaskBuffer, step: StepMaskTemplate, dtype: torch.dtype) -> torch.Tensor:
+        """The next step's ``[batch, 1, q, length + q]`` additive mask (a view of a buffer kept here)."""
+        end = buffer.length + step.query_len
+        buffer.bool_step_mask(step)
+        source = buffer._mask
+        if source is not self._source or self._mask is None or self._mask.dtype != dtype:
+            self._source, self._mask = source, _additive(source, dtype)
+        else:
+            self._mask[..., self._synced : end] = _additive(source[..., self._synced : end], dtype)
+        self._synced = buffer.length
+        return self._mask[..., :end]
+
+
+class BlockMaskSteps:
+    """flex attention's ``BlockMask`` of each decode step, over the bool buffer kept in place.
+
+    The mask function reads the buffer, so a step only sets how many key blocks its length covers;
+    no ``q x kv`` predicate is evaluated again (``create_block_mask`` would, every step). Every key
+    block is partial: holes can sit anywhere in the cache.
+    """
+
+    def __init__(self, block_size: int = 128) -> None:
+        self.block_size = block_size
+        self._source: torch.Tensor | None = None
+        self._kv_indices: torch.Tensor | None = None
+        self._mask_mod: MaskMod | None = None
+
+    def render(self, buffer: DecodeMaskBuffer, step: StepMaskTemplate, dtype: torch.dtype):
+        """The next step's ``BlockMask`` (query ``q``, keys ``length + q``)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        q, end = step.query_len, buffer.length + step.query_len
+        buffer.bool_step_mask(step)
+        source = buffer._mask
+        if source is not self._source:
+            batch, capacity = source.shape[0], source.shape[-1]
+            blocks = -(-capacity // self.block_size)
+            self._kv_indices = torch.arange(blocks, dtype=torch.int32, device=source.device).expand(batch, 1, 1, -1)
+            self._source = source
+
+            def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
+                return source[b, 0, q_idx, kv_idx]
+
+            self._mask_mod = mask_mod
+        batch = source.shape[0]
+        used = torch.full((batch, 1, 1), -(-end // self.block_size), dtype=torch.int32, device=source.device)
+        return BlockMask.from_kv_blocks(
+            used, self._kv_indices, BLOCK_SIZE=self.block_size, mask_mod=self._mask_mod, seq_lengths=(q, end)
+        )
+
+
+STEP_RENDERERS: dict[str, Callable[[], StepRenderer]] = {
+    "eager": AdditiveStepMasks,
+    "flex_attention": BlockMaskSteps,
+}
+"""``attn_implementation`` -> the factory of its :class:`StepRenderer` (sdpa's bool masks need none).
+:mod:`hf_tidar.kernels` adds ``tidar_triton``."""
+
+
+def register_step_renderer(attn_implementation: str, factory: Callable[[], StepRenderer]) -> None:
+    """Give ``attn_implementation`` decode-step masks updated in place by ``factory()``'s renderer."""
+    STEP_RENDERERS[attn_implementation] = factory

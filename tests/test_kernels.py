@@ -298,3 +298,36 @@ def test_from_pretrained_selects_tidar_triton(tiny_pair):
         loaded = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="tidar_triton")
     assert isinstance(loaded, hf_tidar.TidarForCausalLM)
     assert loaded.model.config._attn_implementation == "tidar_triton"
+
+
+@pytest.mark.parametrize("prefix", [5, 70])
+def test_decode_step_descriptors_kept_in_place_equal_fresh_ones(prefix):
+    """The kernel inputs a decode keeps in place (query tokens written at the cache's end, committed slots
+    marked, only the key tiles from the last cache length summarised again) equal descriptors built from
+    the whole layout, at every step of a decode with holes, dropped rows and compaction."""
+    from mask_steps import scripted_decode
+
+    from hf_tidar.kernels.descriptors import build_descriptors, default_blocks
+    from hf_tidar.masks import DecodeMaskBuffer
+
+    renderers_seen = []
+
+    def check(state, template, layout):
+        carrier = state.step_mask(template, "tidar_triton", torch.float32)
+        assert isinstance(carrier, TidarMaskCarrier)
+        assert torch.equal(to_bool_mask(carrier.tidar_layout), to_bool_mask(layout))
+        block_m, block_n = default_blocks(template.query_len, torch.device("cpu"))
+        kept = carrier.descriptors(block_m, block_n, torch.device("cpu"))
+        fresh = build_descriptors(layout, block_m, block_n, "cpu")
+        assert torch.equal(kept.key_tiles, fresh.key_tiles)
+        assert torch.equal(kept.query_tiles, fresh.query_tiles)
+        assert (kept.query_len, kept.kv_len) == (fresh.query_len, fresh.kv_len)
+        real = layout.valid[:, None, :].expand_as(fresh.token)  # padding and holes: only their validity counts
+        assert torch.equal(kept.token[real], fresh.token[real])
+        assert torch.equal(kept.token[:, 3], fresh.token[:, 3])
+        renderers_seen.append(id(state._renderers["tidar_triton"]))
+
+    valid = torch.rand(3, prefix, generator=torch.Generator().manual_seed(prefix)) > 0.2
+    valid[:, -1] = True
+    scripted_decode(DecodeMaskBuffer(valid), check)
+    assert 1 < len(set(renderers_seen)) < len(renderers_seen) // 2

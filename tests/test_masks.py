@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from mask_steps import scripted_decode
 
 from hf_tidar.masks import (
     render_mask,
@@ -158,21 +159,58 @@ def test_step_mask_templates_equal_the_full_layout_rendering(k, groups):
 
 
 def test_incremental_decode_mask_buffer_equals_fresh_renderings():
-    from hf_tidar.masks import DecodeMaskBuffer, StepMaskTemplate
+    from hf_tidar.masks import DecodeMaskBuffer
 
-    generator = torch.Generator().manual_seed(0)
+    def check(state, template, layout):
+        assert torch.equal(state.step_mask(template, "sdpa", torch.float32), to_bool_mask(layout))
+        assert torch.equal(state.position_ids(template), layout.query_position_ids)
+
     state = DecodeMaskBuffer(torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool))
-    layouts = [StepMaskTemplate(3, [1, 2, 3]), StepMaskTemplate(2, [1]), StepMaskTemplate(3, [1, 3])]
-    for step in range(9):
-        masks = layouts[step % len(layouts)]
-        layout = tidar_decode_layout(state.prefix_valid, masks.draft_len, masks.groups)
-        assert torch.equal(state.step_mask(masks, "sdpa", torch.float32), to_bool_mask(layout))
-        assert torch.equal(state.position_ids(masks), layout.query_position_ids)
-        emitted = torch.randint(1, masks.draft_len + 1, (state.valid.shape[0],), generator=generator)
-        state.commit(emitted, int(emitted.max()))
-        if step == 4:
-            state.select_rows(torch.tensor([0, 2]))
-        if step == 6:
-            order = torch.sort(state.prefix_valid.long(), dim=-1, stable=True).indices
-            state.gather_slots(order[:, -int(state.positions.max()) :])
+    scripted_decode(state, check)
     assert torch.equal(state.positions, state.prefix_valid.sum(-1))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_and_flex_step_masks_updated_in_place_equal_fresh_renderings(dtype):
+    """Each backend's step mask, kept beside the bool buffer and updated where it changed, equals the
+    whole layout rendered from the predicate, at every step of a decode with holes, dropped rows and compaction."""
+    from torch.nn.attention.flex_attention import create_mask, flex_attention
+
+    from hf_tidar.masks import DecodeMaskBuffer
+
+    attention_inputs = torch.Generator().manual_seed(2)
+    renderers_seen = []
+
+    def check(state, template, layout):
+        expected = to_bool_mask(layout)
+        assert torch.equal(state.step_mask(template, "sdpa", torch.float32), expected)
+        assert torch.equal(state.step_mask(template, "eager", dtype), to_additive_mask(layout, dtype))
+        block_mask = state.step_mask(template, "flex_attention", torch.float32)
+        batch, _, q, kv = expected.shape
+        assert block_mask.seq_lengths == (q, kv)
+        assert torch.equal(create_mask(block_mask.mask_mod, batch, 1, q, kv), expected)
+        assert (block_mask.kv_num_blocks * block_mask.BLOCK_SIZE[1] >= kv).all()
+        query, key, value = (torch.randn(batch, 2, n, 8, generator=attention_inputs) for n in (q, kv, kv))
+        reference = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=expected)
+        torch.testing.assert_close(flex_attention(query, key, value, block_mask=block_mask), reference)
+        renderers_seen.append(id(state._renderers["eager"]))
+
+    state = DecodeMaskBuffer(torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 1, 1, 1, 1]], dtype=torch.bool))
+    scripted_decode(state, check)
+    # The renderers lived across steps (in-place updates), and started over when the buffer was restructured.
+    assert 1 < len(set(renderers_seen)) < len(renderers_seen) // 2
+
+
+def test_backend_without_a_step_renderer_gets_the_whole_layout_each_step():
+    from hf_tidar.masks import MASK_RENDERERS, DecodeMaskBuffer, StepMaskTemplate
+
+    MASK_RENDERERS["custom_test_backend"] = lambda layout, dtype: ("rendered", to_bool_mask(layout))
+    try:
+        prefix_valid = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+        template = StepMaskTemplate(2, [1, 2])
+        kind, mask = DecodeMaskBuffer(prefix_valid).step_mask(template, "custom_test_backend", torch.float32)
+        assert kind == "rendered"
+        assert torch.equal(mask, to_bool_mask(tidar_decode_layout(prefix_valid, 2, [1, 2])))
+    finally:
+        del MASK_RENDERERS["custom_test_backend"]

@@ -126,3 +126,24 @@ def test_max_length_and_scores_follow_generate_conventions(random_model):
     assert len(out.scores) == len(expected.scores) == 9
     for mine, theirs in zip(out.logits, expected.logits, strict=True):
         torch.testing.assert_close(mine[:, : theirs.shape[-1]], theirs)
+
+
+@pytest.mark.parametrize("attn_implementation", ["eager", "tidar_triton"])
+def test_step_masks_kept_in_place_decode_exactly_with_accepted_drafts(counting_model, attn_implementation):
+    """eager and tidar_triton keep their step masks in place across passes: a left-padded batch whose rows
+    accept different numbers of drafts (holes in the cache) still decodes exactly as AR does."""
+    if attn_implementation == "tidar_triton":
+        pytest.importorskip("triton")
+    model = copy.deepcopy(counting_model).float()  # the kernel takes fp32, fp16 and bf16
+    model.generation_config.eos_token_id = None
+    prompts = torch.cat(
+        [counting_batch(1, 9, 32, torch.Generator().manual_seed(1)), _prompt(9, 32, 5)]
+    )  # counting, then a random row: many acceptances and few
+    attention_mask = torch.ones_like(prompts)
+    attention_mask[1, :3] = 0
+    settings = dict(attention_mask=attention_mask, max_new_tokens=18, do_sample=False, pad_token_id=0)
+    expected = model.generate(prompts, **settings)
+    model.set_attn_implementation(attn_implementation)
+    out = model.generate(prompts, strategy="tidar", draft_length=3, return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, expected)
+    assert max(out.accepted_lengths[0]) == 3 and out.accepted_lengths[0] != out.accepted_lengths[1]

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks import CLEAN, AttentionLayout
+from ..masks import CLEAN, AttentionLayout, DecodeMaskBuffer, StepMaskTemplate, positions_from_padding
 
 BIG = 2**30
 """Sentinel that no position, horizon or group id reaches; fits comfortably in int32."""
@@ -99,6 +99,20 @@ def query_tile_summaries(layout: AttentionLayout, block_m: int) -> torch.Tensor:
     return torch.stack(fields, dim=-1).to(torch.int32).contiguous()
 
 
+def default_blocks(query_len: int, device: torch.device) -> tuple[int, int]:
+    """Tile sizes ``(block_m, block_n)``: small queries (a decode step) get a small query tile.
+
+    ``tl.dot`` needs tiles of at least 16. In the CPU interpreter every program costs Python time,
+    so tiles stay at 16 x 32 there. No GPU tuning has been done yet (``@triton.autotune`` needs a GPU).
+    """
+    if device.type == "cpu":
+        return 16, 32
+    block_m = 16
+    while block_m < min(query_len, 64):
+        block_m *= 2
+    return block_m, 64
+
+
 def build_descriptors(
     layout: AttentionLayout, block_m: int, block_n: int, device: torch.device | str | None = None
 ) -> TileDescriptors:
@@ -153,6 +167,74 @@ class TidarMaskCarrier(torch.Tensor):
             self._descriptor_cache[key] = build_descriptors(self.tidar_layout, block_m, block_n, device)
         return self._descriptor_cache[key]
 
+    def seed(self, descriptors: TileDescriptors) -> None:
+        """Hand over descriptors built elsewhere (a decode step's, kept in place) for their tiling."""
+        key = (str(descriptors.token.device), descriptors.block_m, descriptors.block_n)
+        self._descriptor_cache[key] = descriptors
+
     def __repr__(self) -> str:  # the default repr would print a [b, 1, q, kv] tensor of False
         b, _, q, kv = self.shape
         return f"TidarMaskCarrier(batch={b}, query_len={q}, kv_len={kv})"
+
+
+class TileDescriptorSteps:
+    """The kernel inputs of each decode step, kept in place (the ``tidar_triton`` step renderer).
+
+    The per-token vectors live in buffers as long as the decode's: a step writes its query tokens at
+    the cache's end, marks the slots the last step committed (their positions and horizons were
+    written when they were queries) and summarises again only the key tiles from the previous step's
+    cache length on. Everything before it is unchanged, so no per-step work scales with the sequence.
+    """
+
+    def __init__(self) -> None:
+        self._tokens: torch.Tensor | None = None  # [batch, 4, capacity] int32: position, group, horizon, valid
+        self._valid: torch.Tensor | None = None  # [batch, capacity] bool, the carrier's layout's view
+        self._key_tiles: torch.Tensor | None = None  # [batch, capacity tiles, fields]
+        self._stale_from = 0  # first slot whose tile summaries may be out of date
+        self._block_n = 0
+
+    def _start(self, buffer: DecodeMaskBuffer, block_n: int) -> None:
+        """Render the cached prefix in full (first step, or after the buffer was restructured)."""
+        batch, capacity = buffer.valid.shape
+        valid = buffer.prefix_valid
+        position = positions_from_padding(valid)
+        self._tokens = torch.zeros(batch, 4, capacity, dtype=torch.int32, device=valid.device)
+        self._tokens[:, 0, : buffer.length] = position.int()
+        self._tokens[:, 1, : buffer.length] = CLEAN
+        self._tokens[:, 2, : buffer.length] = (position + 1).int()
+        self._tokens[:, 3, : buffer.length] = valid.int()
+        self._valid = buffer.valid.clone()
+        self._key_tiles = torch.zeros(batch, -(-capacity // block_n), len(KEY_SUMMARY_FIELDS), dtype=torch.int32,
+                                      device=valid.device)
+        self._stale_from, self._block_n = 0, block_n
+
+    def render(self, buffer: DecodeMaskBuffer, step: StepMaskTemplate, dtype: torch.dtype) -> TidarMaskCarrier:
+        """The next step's carrier, its descriptors for the default tiling already built."""
+        q, length = step.query_len, buffer.length
+        end = length + q
+        block_m, block_n = default_blocks(q, buffer.valid.device)
+        if self._tokens is None or block_n != self._block_n:
+            self._start(buffer, block_n)
+        else:  # the slots committed since the last step: only their validity changed
+            self._tokens[:, 3, self._stale_from : length] = buffer.valid[:, self._stale_from : length].int()
+            self._valid[:, self._stale_from : length] = buffer.valid[:, self._stale_from : length]
+        p = buffer.positions[:, None]
+        self._tokens[:, 0, length:end] = (p + step.offsets).int()
+        self._tokens[:, 1, length:end] = step.query_groups.int()
+        self._tokens[:, 2, length:end] = (p + step.horizon_offsets).int()
+        self._tokens[:, 3, length:end] = 1
+        self._valid[:, length:end] = True
+        tokens = self._tokens[:, :, :end]
+        layout = AttentionLayout(tokens[:, 0], tokens[:, 1], tokens[:, 2], self._valid[:, :end], q)
+        first_tile = self._stale_from // block_n
+        changed = AttentionLayout(*(part[:, first_tile * block_n :] for part in (
+            layout.position_ids, layout.group, layout.horizon, layout.valid)), query_len=0)
+        tiles = key_tile_summaries(changed, block_n)
+        self._key_tiles[:, first_tile : first_tile + tiles.shape[1]] = tiles
+        self._stale_from = length
+        carrier = TidarMaskCarrier(layout)
+        carrier.seed(TileDescriptors(
+            token=tokens, key_tiles=self._key_tiles[:, : -(-end // block_n)],
+            query_tiles=query_tile_summaries(layout, block_m), query_len=q, block_m=block_m, block_n=block_n,
+        ))
+        return carrier

@@ -11,28 +11,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .._warning_stacklevel import user_stacklevel
-from ..masks import AttentionLayout, register_mask_renderer, to_bool_mask
-from .descriptors import TidarMaskCarrier, TileDescriptors
+from ..masks import AttentionLayout, register_mask_renderer, register_step_renderer, to_bool_mask
+from .descriptors import TidarMaskCarrier, TileDescriptors, TileDescriptorSteps, default_blocks
 
 ATTN_IMPLEMENTATION = "tidar_triton"
 """The name to pass as ``attn_implementation`` (``from_pretrained`` or ``set_attn_implementation``)."""
 
 KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Input dtypes the kernel takes (it accumulates in fp32); others fall back to sdpa."""
-
-
-def default_blocks(query_len: int, device: torch.device) -> tuple[int, int]:
-    """Tile sizes ``(block_m, block_n)``: small queries (a decode step) get a small query tile.
-
-    ``tl.dot`` needs tiles of at least 16. In the CPU interpreter every program costs Python time,
-    so tiles stay at 16 x 32 there. No GPU tuning has been done yet (``@triton.autotune`` needs a GPU).
-    """
-    if device.type == "cpu":
-        return 16, 32
-    block_m = 16
-    while block_m < min(query_len, 64):
-        block_m *= 2
-    return block_m, 64
 
 
 def tidar_attention(
@@ -136,3 +122,4 @@ def register() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, tidar_triton_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
     register_mask_renderer(ATTN_IMPLEMENTATION, lambda layout, dtype: TidarMaskCarrier(layout))
+    register_step_renderer(ATTN_IMPLEMENTATION, TileDescriptorSteps)
