@@ -40,6 +40,8 @@ DATA=${DATA:-outputs/distill-soft}
 OUT=${OUT:-outputs/adapter-soft}
 STEPS=${STEPS:-32}
 BATCH=${BATCH:-8}
+# Stage 3 began from the stage-2 adapter (benchmarks/train_smollm2_adapter.sh makes it); the package's default
+# adapter is stage 4b's export now, so pass the stage-2 export as SHIPPED to repeat stage 3 as it ran.
 SHIPPED=${SHIPPED:-hf_tidar/adapters/smollm2-135m-instruct-tidar-b4}
 PIDS=${PIDS:-/dev/null}   # a file to append each worker's PID to (so others can pause it)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

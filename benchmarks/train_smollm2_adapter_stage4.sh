@@ -28,7 +28,9 @@ DATA=${DATA:-runs/distill-big}
 OUT=${OUT:-runs/adapter-s4}
 STEPS=${STEPS:-576}
 BATCH=${BATCH:-8}
-INIT=${INIT:-hf_tidar/adapters/smollm2-135m-instruct-tidar-b4-candidate}
+# Stage 4a started from round 3's export, which the package no longer ships (stage 4b's export is the default
+# adapter now): pass it as INIT to repeat stage 4; the default continues from the shipped adapter.
+INIT=${INIT:-hf_tidar/adapters/smollm2-135m-instruct-tidar-b4}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 distill_code() {

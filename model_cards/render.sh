@@ -6,7 +6,7 @@
 #   bash model_cards/render.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for name in smollm2-135m-instruct-tidar-b4 smollm2-135m-instruct-tidar-b4-candidate; do
+for name in smollm2-135m-instruct-tidar-b4; do
   inputs=model_cards/inputs/$name
   hf-tidar card "hf_tidar/adapters/$name" --base-model HuggingFaceTB/SmolLM2-135M-Instruct --license apache-2.0 \
     --training-args "$inputs/training_args.json" --benchmark "$inputs/benchmark.json" --notes "$inputs/notes.md" \
