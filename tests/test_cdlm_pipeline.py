@@ -194,3 +194,21 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     with pytest.raises(SystemExit):
         example.main(["--out", str(tmp_path / "bad"), *common, "--gen-len", "40", "--numbered", "--signed",
                       "--teacher-from", str(tmp_path / "signed" / "teacher"), "--block-size", "16"])
+
+
+def test_left_to_right_diagnostic_is_vanilla_decoding_in_blocks_of_one(run):
+    """Filling the leftmost mask each pass is what vanilla decoding does when every block is one token."""
+    script = load_script("benchmarks/cdlm_left_to_right.py")
+    from transformers import AutoTokenizer
+
+    from hf_tidar.cdlm.arithmetic import split_for_run
+
+    tokenizer = AutoTokenizer.from_pretrained(run / "teacher")
+    teacher = CdlmForCausalLM.from_pretrained(run / "teacher").eval()
+    _, test = split_for_run(json.loads((run / "pipeline.json").read_text())["args"], 2)
+    for problem in test:
+        question = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        tokens = script.left_to_right(teacher, question, 12, tokenizer.mask_token_id, -1)  # no EOS: all 12
+        out = teacher.generate(question, max_new_tokens=12, strategy="dlm", threshold=None, block_size=1,
+                               eos_token_id=None)
+        assert tokens == out[0, question.shape[1] :].tolist()
