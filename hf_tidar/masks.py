@@ -343,6 +343,12 @@ class DecodeMaskBuffer:
         self._mask[..., self.length : end] = step.block
         return self._mask[..., :end]
 
+    @property
+    def bool_buffer(self) -> torch.Tensor | None:
+        """The whole in-place bool buffer ``[batch, 1, q, capacity]`` that :meth:`bool_step_mask` views (``None``
+        before the first step and after a restructuring); renderers keep their own rendering in step with it."""
+        return self._mask
+
     def position_ids(self, step: StepMaskTemplate) -> torch.Tensor:
         """``[batch, q]`` position ids of the next step's queries."""
         return self.positions[:, None] + step.offsets
@@ -395,7 +401,7 @@ class AdditiveStepMasks:
         """The next step's ``[batch, 1, q, length + q]`` additive mask (a view of a buffer kept here)."""
         end = buffer.length + step.query_len
         buffer.bool_step_mask(step)
-        source = buffer._mask
+        source = buffer.bool_buffer
         if source is not self._source or self._mask is None or self._mask.dtype != dtype:
             self._source, self._mask = source, _additive(source, dtype)
         else:
@@ -424,7 +430,7 @@ class BlockMaskSteps:
 
         q, end = step.query_len, buffer.length + step.query_len
         buffer.bool_step_mask(step)
-        source = buffer._mask
+        source = buffer.bool_buffer
         if source is not self._source:
             batch, capacity = source.shape[0], source.shape[-1]
             blocks = -(-capacity // self.block_size)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..masks import CLEAN, AttentionLayout, DecodeMaskBuffer, StepMaskTemplate, positions_from_padding
+from ..masks import CLEAN, AttentionLayout, DecodeMaskBuffer, StepMaskTemplate, tidar_decode_layout
 
 BIG = 2**30
 """Sentinel that no position, horizon or group id reaches; fits comfortably in int32."""
@@ -196,16 +196,13 @@ class TileDescriptorSteps:
     def _start(self, buffer: DecodeMaskBuffer, block_n: int) -> None:
         """Render the cached prefix in full (first step, or after the buffer was restructured)."""
         batch, capacity = buffer.valid.shape
-        valid = buffer.prefix_valid
-        position = positions_from_padding(valid)
-        self._tokens = torch.zeros(batch, 4, capacity, dtype=torch.int32, device=valid.device)
-        self._tokens[:, 0, : buffer.length] = position.int()
-        self._tokens[:, 1, : buffer.length] = CLEAN
-        self._tokens[:, 2, : buffer.length] = (position + 1).int()
-        self._tokens[:, 3, : buffer.length] = valid.int()
+        prefix = tidar_decode_layout(buffer.prefix_valid, 0, [])  # the cached tokens alone, from the one rule
+        self._tokens = torch.zeros(batch, 4, capacity, dtype=torch.int32, device=buffer.valid.device)
+        for field, values in enumerate((prefix.position_ids, prefix.group, prefix.horizon, prefix.valid)):
+            self._tokens[:, field, : buffer.length] = values.int()
         self._valid = buffer.valid.clone()
         self._key_tiles = torch.zeros(batch, -(-capacity // block_n), len(KEY_SUMMARY_FIELDS), dtype=torch.int32,
-                                      device=valid.device)
+                                      device=buffer.valid.device)
         self._stale_from, self._block_n = 0, block_n
 
     def render(self, buffer: DecodeMaskBuffer, step: StepMaskTemplate, dtype: torch.dtype) -> TidarMaskCarrier:
