@@ -46,9 +46,10 @@ inline void store(bf16* y, float v) { *y = bf16(v); }  // round to nearest even,
 // -- instruction sets -----------------------------------------------------------------------------
 // An instruction set is a float32 accumulator vector and two products, each a policy that loads a step
 // of its two operands and multiply-adds them into an accumulator: `Main` (x row · weight row, both T)
-// and `Lora` (float32 code · a T row of lora_b). Where the set can mask a load (`kMasked`), the last
-// partial step is a masked vector step; otherwise the rest of a row is summed in scalar after the
-// horizontal sum. Either way the summation order depends only on the row length.
+// and `Lora` (float32 code · a T row of lora_b). Where the set can mask a load (`kMasked`: the AVX-512
+// sets), the last partial step is a masked vector step and a tile's sums are taken together (tile_sums);
+// otherwise (AVX2) each accumulator has its horizontal `sum` and the rest of a row is summed in scalar
+// after it. Either way the summation order depends only on the row length.
 
 #if !defined(__AVX512F__)
 struct Avx2F32 {
@@ -85,7 +86,6 @@ struct Avx512F32 {
   static constexpr int kRows = 4, kColumns = 3;
   static constexpr bool kMasked = true;
   static Acc zero() { return _mm512_setzero_ps(); }
-  static float sum(Acc v) { return _mm512_reduce_add_ps(v); }
   static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1); }
   struct Main {
     using A = float;
@@ -122,7 +122,6 @@ struct Avx512Bf16 {
   static constexpr int kRows = 4, kColumns = 4;  // measured: 1536x576 at 12 rows 65-87 µs, 4 x 2 154 µs
   static constexpr bool kMasked = true;
   static Acc zero() { return _mm512_setzero_ps(); }
-  static float sum(Acc v) { return _mm512_reduce_add_ps(v); }
   struct Main {  // vdpbf16ps: float32 lane i += a[2i]·b[2i] + a[2i+1]·b[2i+1]
     using A = bf16;
     using B = bf16;
@@ -230,17 +229,16 @@ inline void dot_tile(const typename V::T* x, int64_t K, const typename V::T* w, 
   typename V::Acc acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
-  const int64_t k = dot_segment<V, typename V::Main, MR, NR>(acc, x, K, w, K, K, next, end);
-  const int64_t r = z ? dot_segment<V, typename V::Lora, MR, NR>(acc, z, R, b, R, R, next, end, first) : 0;
+  [[maybe_unused]] const int64_t k = dot_segment<V, typename V::Main, MR, NR>(acc, x, K, w, K, K, next, end);
+  [[maybe_unused]] const int64_t r =
+      z ? dot_segment<V, typename V::Lora, MR, NR>(acc, z, R, b, R, R, next, end, first) : 0;
 #ifdef __AVX512F__
-  if constexpr (V::kMasked) {  // every step was a vector step: no scalar remainder
-    float sums[16];
-    tile_sums<MR, NR>(acc, sums);
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < NR; ++j) store(y + i * ldy + j, bias ? sums[4 * i + j] + to_float(bias[j]) : sums[4 * i + j]);
-    return;
-  }
-#endif
+  static_assert(V::kMasked, "an AVX-512 set masks its last step: no scalar remainder to add");
+  float sums[16];
+  tile_sums<MR, NR>(acc, sums);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) store(y + i * ldy + j, bias ? sums[4 * i + j] + to_float(bias[j]) : sums[4 * i + j]);
+#else
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) {
       float s = V::sum(acc[i][j]);
@@ -249,6 +247,7 @@ inline void dot_tile(const typename V::T* x, int64_t K, const typename V::T* w, 
         for (int64_t rr = r; rr < R; ++rr) s += z[(i - first) * R + rr] * to_float(b[j * R + rr]);
       store(y + i * ldy + j, bias ? s + to_float(bias[j]) : s);
     }
+#endif
 }
 
 // All M rows of x against NR weight rows, in row tiles of at most kRows, rows from `tail` on with their LoRA
