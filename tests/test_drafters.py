@@ -140,6 +140,10 @@ def test_auto_layout_drafts_by_lookup_where_it_pays_and_stays_exact(looping_mode
     assert torch.equal(out, ar)
     mask_id = looping_model.config.mask_token_id
     assert any(not bool((q == mask_id).any()) for q in queries[1:])  # "best" is auto's default source
+    lookup = looping_model._tidar_auto_plan.lookup  # the planner counted the lookup passes it prices
+    verifications = sum(not bool((q == mask_id).any()) for q in queries[1:])
+    assert lookup.lookup_passes == verifications and lookup.passes == len(queries) - 1  # all but the prefill
+    assert lookup.lookup_tokens >= 2 * lookup.lookup_passes  # the loop's lookup drafts are accepted
 
 
 # -- greedy diffusion drafts avoid an immediate repeat ------------------------------------------------

@@ -11,7 +11,7 @@ from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer
 import hf_tidar.generation.acceptance as acceptance
 import hf_tidar.generation.tidar_decoder as tidar_loop
 from hf_tidar import TidarForCausalLM
-from hf_tidar.generation.auto_plan import AutoDraftPlan, expected_tokens_per_pass
+from hf_tidar.generation.auto_plan import AutoDraftPlan, expected_tokens_per_pass, pass_mix
 from hf_tidar.generation.draft_plan import DraftPlan
 from hf_tidar.prompt_encoding import left_pad
 from hf_tidar.training import byte_level_tokenizer
@@ -310,6 +310,34 @@ def test_a_pass_projects_drafts_and_every_groups_slots_after_its_first():
     assert layout.projected_rows == (0, 1, 2, 4, 5, 7, 8)
     assert [layout.projected_rows[layout.projected_slot_start(g)] for g in (1, 3)] == [4, 7]
     assert DraftPlan.build(1, None, block_size=4).projected_rows == (0,)
+
+
+def test_pass_mix_adds_lookup_passes_after_which_diffusion_has_only_the_verified_token():
+    always = [1.0] * 9
+    diffusion_only = pass_mix(DraftPlan(2, (1, 2)), always)
+    assert diffusion_only.lookup == 0.0 and diffusion_only.diffusion == pytest.approx([0.0, 0.0, 1.0])
+    # Half the passes draft by lookup; a diffusion pass after one has a single draft, after another two.
+    half = pass_mix(DraftPlan(2, (1, 2)), always, lookup_share=0.5)
+    assert half.lookup == pytest.approx(0.5) and half.diffusion == pytest.approx([0.0, 0.25, 0.25])
+    assert half.diffusion_tokens == pytest.approx(0.25 * 1 + 0.25 * 2)
+    assert pass_mix(DraftPlan(3, (1,)), always, lookup_share=1.0).diffusion_share == pytest.approx(0.0)
+
+
+def test_auto_layout_prices_diffusion_layouts_beside_lookup_passes():
+    flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}
+    slow = {plan: 10.0 for plan in AutoDraftPlan(flat, 4).candidates}
+    chooser = AutoDraftPlan(flat, 4, layout_costs=slow | {DraftPlan(2, (1,)): 1.0, DraftPlan(3, (1,)): 1.2})
+    for _ in range(200):
+        chooser.observe(3, 3)  # diffusion drafts always accepted: alone, the longer block pays for its cost
+    assert chooser.choose() == DraftPlan(3, (1,))
+    for _ in range(300):  # three passes in four draft by lookup (4 tokens each): a diffusion pass's long
+        chooser.count_pass(lookup=True)  # block is mostly followed by a lookup pass, its slots unused
+        chooser.observe_lookup(4)
+    for _ in range(100):
+        chooser.count_pass(lookup=False)
+    assert chooser.lookup.share == pytest.approx(301 / 402)
+    assert chooser.choose(lookup_length=4) == DraftPlan(2, (1,))
+    assert chooser.choose() == DraftPlan(3, (1,))  # a decode without lookup re-plans at once
 
 
 def test_expected_tokens_per_pass_matches_simple_cases():

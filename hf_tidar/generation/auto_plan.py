@@ -11,12 +11,23 @@ After ``a``, the next block has ``m' = k - (a - j)`` drafts where ``j`` is the l
 (:class:`.draft_plan.DraftPlan`), so the draft length follows a small Markov chain; tokens per pass is the
 expectation of ``a`` under its stationary distribution.
 
-The layout maximising ``E[tokens per pass] / cost(q)`` is re-chosen every few passes. Candidates are
+Prompt-lookup drafts (``draft_source="best"``). A pass whose drafts come from prompt lookup only verifies
+them: it costs a verification pass and leaves the next pass without diffusion drafts (``m = 1``), and a
+diffusion pass's groups are wasted whenever the pass after it drafts by lookup. With ``h`` the running
+share of lookup passes, the chain gains a lookup state: from any pass the next one is a lookup pass with
+probability ``h``; otherwise it is a diffusion pass with ``m'`` drafts after a diffusion pass and with one
+after a lookup pass. The expected rate is then ``(sum of tokens) / (sum of costs)`` over the stationary
+distribution of lookup and diffusion passes, so a layout whose long drafts are rarely used (because lookup
+drafts often come next) is priced at what it returns.
+
+The layout maximising expected tokens per second is re-chosen every few passes. Candidates are
 ``k = 1..block_size`` with groups ``{1..g}``: acceptance probabilities fall with depth, so the groups
 for small accepted counts are the ones worth their compute. Costs are measured at batch size 1.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from .cost_profile import (
     adapter_tag,
@@ -52,24 +63,82 @@ class AcceptanceStats:
         return (self.accepts[depth] + 1) / (self.trials[depth] + 2)
 
 
-def expected_tokens_per_pass(layout: DraftPlan, alpha: list[float]) -> float:
-    """Stationary expected tokens per pass of ``layout`` (``alpha[i]``: acceptance at depth ``i``)."""
+@dataclass
+class LookupStats:
+    """Prompt-lookup passes of the decodes that could draft by lookup: their share and tokens per pass."""
+
+    lookup_passes: int = 0
+    lookup_tokens: int = 0
+    passes: int = 0  # every pass of those decodes, lookup or diffusion
+
+    PRIOR_TOKENS = 2.0  # the verifier's token and one accepted draft, as the source chooser's prior
+
+    def count_pass(self, lookup: bool) -> None:
+        """One pass of a decode that may draft by lookup (``lookup``: its drafts came from prompt lookup)."""
+        self.passes += 1
+        self.lookup_passes += lookup
+
+    def observe(self, emitted: int) -> None:
+        """A lookup pass emitted ``emitted`` tokens (for one row)."""
+        self.lookup_tokens += emitted
+
+    @property
+    def share(self) -> float:
+        """Smoothed probability that a pass drafts by lookup (prior 1/2)."""
+        return (self.lookup_passes + 1) / (self.passes + 2)
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Smoothed tokens a lookup pass emits."""
+        return (self.lookup_tokens + 2 * self.PRIOR_TOKENS) / (self.lookup_passes + 2)
+
+
+@dataclass(frozen=True)
+class PassMix:
+    """Stationary shares of a decode's passes: ``lookup`` and ``diffusion[m]`` (diffusion passes with ``m``
+    drafts), with ``tokens``, the expected tokens per diffusion pass with ``m`` drafts."""
+
+    lookup: float
+    diffusion: list[float]
+    tokens: list[float]
+
+    @property
+    def diffusion_share(self) -> float:
+        """Share of passes that are diffusion passes."""
+        return sum(self.diffusion)
+
+    @property
+    def diffusion_tokens(self) -> float:
+        """Tokens per pass from diffusion passes (weighted by their share of all passes)."""
+        return sum(share * tokens for share, tokens in zip(self.diffusion, self.tokens, strict=True))
+
+
+def pass_mix(layout: DraftPlan, alpha: list[float], lookup_share: float = 0.0) -> PassMix:
+    """The stationary mix of passes of ``layout`` (``alpha[i]``: diffusion acceptance at depth ``i``) when a
+    pass drafts by prompt lookup with probability ``lookup_share`` (0: diffusion only)."""
     k = layout.draft_len
     reach = [1.0]  # reach[i] = P(a >= i + 1)
     for depth in range(1, k):
         reach.append(reach[-1] * alpha[depth])
-    state = [0.0] * (k + 1)
+    lookup, state = 0.0, [0.0] * (k + 1)
     state[k] = 1.0
-    for _ in range(64):  # power iteration over the draft length m
+    for _ in range(64):  # power iteration over {lookup} and the diffusion passes' draft length m
         nxt = [0.0] * (k + 1)
+        nxt[1] += (1 - lookup_share) * lookup  # after a lookup pass, diffusion has only the verified token
         for m in range(1, k + 1):
             if state[m] == 0.0:
                 continue
             for a in range(1, m + 1):
                 p_a = reach[a - 1] - (reach[a] if a < m else 0.0)
-                nxt[layout.next_draft_len(a)] += state[m] * p_a
-        state = nxt
-    return sum(state[m] * sum(reach[:m]) for m in range(1, k + 1))
+                nxt[layout.next_draft_len(a)] += (1 - lookup_share) * state[m] * p_a
+        lookup, state = lookup_share * (lookup + sum(state)), nxt
+    tokens = [sum(reach[:m]) for m in range(k + 1)]
+    return PassMix(lookup, state, tokens)
+
+
+def expected_tokens_per_pass(layout: DraftPlan, alpha: list[float]) -> float:
+    """Stationary expected tokens per pass of ``layout`` with diffusion drafts only."""
+    return pass_mix(layout, alpha).diffusion_tokens
 
 
 class AutoDraftPlan:
@@ -83,10 +152,12 @@ class AutoDraftPlan:
         self.lm_head_row_cost = lm_head_row_cost
         self.mask_overhead = mask_overhead
         self.stats = AcceptanceStats(block_size)
+        self.lookup = LookupStats()
         self.candidates = [
             DraftPlan(k, tuple(range(1, g + 1))) for k in range(1, block_size + 1) for g in range(1, k + 1)
         ]
         self._current: DraftPlan | None = None
+        self._chosen_for: int | None = None  # the lookup length the current choice was made for
         self._since_choice = 0
         self.key: tuple | None = None
 
@@ -115,9 +186,16 @@ class AutoDraftPlan:
         """Record one row's pass (``drafts`` drafts, ``emitted`` tokens)."""
         self.stats.observe(drafts, emitted)
 
-    def count_pass(self) -> None:
-        """One forward pass happened (whatever the batch size): the layout is re-chosen every few."""
+    def observe_lookup(self, emitted: int) -> None:
+        """Record one row's prompt-lookup pass (``emitted`` tokens)."""
+        self.lookup.observe(emitted)
+
+    def count_pass(self, lookup: bool | None = None) -> None:
+        """One forward pass happened (whatever the batch size): the layout is re-chosen every few.
+        ``lookup``: whether its drafts came from prompt lookup (``None``: the decode cannot draft by lookup)."""
         self._since_choice += 1
+        if lookup is not None:
+            self.lookup.count_pass(lookup)
 
     def step_cost(self, layout: DraftPlan) -> float:
         """Seconds of one pass: the layout's own timed pass where it was timed (:attr:`layout_costs`), else the
@@ -131,14 +209,24 @@ class AutoDraftPlan:
         masks = self.mask_overhead if layout.groups else 0.0
         return interpolate(self.costs, q) + extra_rows * self.lm_head_row_cost + masks
 
-    def tokens_per_second(self, layout: DraftPlan) -> float:
-        """Expected tokens per second of ``layout`` under the current statistics."""
+    def tokens_per_second(self, layout: DraftPlan, lookup_length: int | None = None) -> float:
+        """Expected tokens per second of ``layout`` under the current statistics; with ``lookup_length``, in a
+        decode whose passes draft by prompt lookup (up to ``lookup_length`` drafts) at the observed share."""
         alpha = [1.0] + [self.stats.alpha(d) for d in range(1, self.block_size + 1)]
-        return expected_tokens_per_pass(layout, alpha) / self.step_cost(layout)
+        if lookup_length is None:
+            return expected_tokens_per_pass(layout, alpha) / self.step_cost(layout)
+        mix = pass_mix(layout, alpha, self.lookup.share)
+        tokens = mix.lookup * self.lookup.tokens_per_pass + mix.diffusion_tokens
+        seconds = mix.lookup * self.step_cost(verification_plan(1 + lookup_length))
+        seconds += mix.diffusion_share * self.step_cost(layout)
+        return tokens / seconds
 
-    def choose(self) -> DraftPlan:
-        """The best layout now (re-chosen every ``REPLAN_EVERY`` observed passes)."""
-        if self._current is None or self._since_choice >= REPLAN_EVERY:
-            self._current = max(self.candidates, key=self.tokens_per_second)
+    def choose(self, lookup_length: int | None = None) -> DraftPlan:
+        """The best layout now (re-chosen every ``REPLAN_EVERY`` observed passes, and when the decode's use of
+        prompt lookup changed): ``lookup_length`` as in :meth:`tokens_per_second`."""
+        stale = self._since_choice >= REPLAN_EVERY or lookup_length != self._chosen_for
+        if self._current is None or stale:
+            self._current = max(self.candidates, key=lambda layout: self.tokens_per_second(layout, lookup_length))
+            self._chosen_for = lookup_length
             self._since_choice = 0
         return self._current

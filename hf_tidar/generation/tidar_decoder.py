@@ -98,7 +98,6 @@ class TidarDecoder:
         self.verifier_weight = verifier_weight
         self.mixed = verifier_weight != 1.0  # then each group's first slot is projected too (the diffusion term)
         self.auto = layout if isinstance(layout, AutoDraftPlan) else None
-        self.layout = self.auto.choose() if self.auto else layout
         self.step_masks: dict[DraftPlan, StepMaskTemplate] = {}
         self.projected_index: dict[DraftPlan, torch.Tensor] = {}
         self.keep_scores = bool(generation_config.return_dict_in_generate and generation_config.output_scores)
@@ -124,6 +123,9 @@ class TidarDecoder:
         self.lookup_length = lookup_length if not self.mixed else None
         if self.auto and self.lookup_length:  # choose sources by tokens per second under the measured costs
             self.chooser.pass_cost = self._source_pass_cost
+        # The planner prices layouts with the share of lookup passes when lookup may draft.
+        self.planned_lookup = self.lookup_length if draft_source != "diffusion" else None
+        self.layout = self.auto.choose(self.planned_lookup) if self.auto else layout
         if draft_source != "diffusion":
             for row, prompt, valid in zip(self.rows, input_ids, attention_mask.bool(), strict=True):
                 row.ngrams = NgramIndex(prompt[valid].tolist())
@@ -339,10 +341,12 @@ class TidarDecoder:
             emitted.append(count)
             if not row.finished:  # a stop cuts a pass short: not a rejection
                 self.chooser.observe(drafts[index].source, count - 1)
-                if self.auto and layout.groups:  # the planner models diffusion passes only
+                if self.auto and layout.groups:
                     self.auto.observe(len(drafts[index].tokens), count)
+                elif self.auto:  # a verification-only pass: every row drafted by prompt lookup
+                    self.auto.observe_lookup(count)
         if self.auto:
-            self.auto.count_pass()
+            self.auto.count_pass(lookup=not layout.groups if self.planned_lookup else None)
         return emitted
 
     def _next_drafts(self, active: list[int], emitted: list[int], logits: torch.Tensor,
@@ -379,7 +383,7 @@ class TidarDecoder:
         drafts = [drafts[i] for i in active]
         while active:
             if self.auto:
-                self.layout = self.auto.choose()
+                self.layout = self.auto.choose(self.planned_lookup)
             drafts = self.step(active, drafts, state)
             still = [i for i, row_id in enumerate(active) if not self.rows[row_id].finished]
             if not still:
