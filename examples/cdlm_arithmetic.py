@@ -114,23 +114,40 @@ def dlm_loss(model, prompts, targets, mask_id: int, pad_id: int, gen: torch.Gene
     return (_masked_ce(model, prompts, ids, attention, masked, masked, mask_id) / (t * gen_len)).mean()
 
 
-def dlm_block_loss(model, prompts, targets, mask_id: int, pad_id: int, gen: torch.Generator) -> torch.Tensor:
+def dlm_block_loss(model, prompts, targets, mask_id: int, pad_id: int, gen: torch.Generator,
+                   left_to_right: float = 0.0) -> torch.Tensor:
     """Masked-diffusion loss on one block per row, in the state block decoding meets it.
 
     Per row a block ``b`` of the answer is drawn: the blocks before it are clean, block ``b`` is masked at a
     ratio ``t ~ U(0, 1]`` and every later block is fully masked, as when the semi-autoregressive decoder
     works on block ``b``; the loss is ``sum CE / (t * block length)`` over block ``b``'s masked tokens. The
     uniform loss (``dlm_loss``) also spends the model's capacity on states the decoder never shows it.
+
+    With ``left_to_right`` > 0, that fraction of the rows masks a suffix of block ``b`` instead (a cut drawn
+    uniformly, every token from it on masked; the loss is the mean CE over the suffix): the state of a
+    decoder that finalises tokens in order, where the first masked token is a plain next-token prediction
+    from a clean prefix, which is what the AR warm start already knows.
     """
     ids, attention = left_pad([p + t for p, t in zip(prompts, targets, strict=True)], pad_id)
     rows, gen_len, block = len(prompts), len(targets[0]), model.config.block_size
     start = torch.randint(math.ceil(gen_len / block), (rows, 1), generator=gen) * block
     column = torch.arange(gen_len)
     in_block = (column >= start) & (column < start + block)
+    block_len = in_block.sum(-1, keepdim=True)
     t = 1 - torch.rand(rows, 1, generator=gen)
-    masked = (in_block & (torch.rand(rows, gen_len, generator=gen) < t)) | (column >= start + block)
-    ce = _masked_ce(model, prompts, ids, attention, masked, masked & in_block, mask_id)
-    return (ce / (t * in_block.sum(-1, keepdim=True))).mean()
+    random_mask = in_block & (torch.rand(rows, gen_len, generator=gen) < t)
+    cut = start + (torch.rand(rows, 1, generator=gen) * block_len).long()
+    suffix = torch.rand(rows, 1, generator=gen) < left_to_right
+    in_block_masked = torch.where(suffix, in_block & (column >= cut), random_mask)
+    masked = in_block_masked | (column >= start + block)
+    ce = _masked_ce(model, prompts, ids, attention, masked, in_block_masked, mask_id)
+    weight = torch.where(suffix, in_block_masked.sum(-1, keepdim=True).float(), t * block_len)
+    return (ce / weight).mean()
+
+
+def dlm_block_l2r_loss(model, prompts, targets, mask_id: int, pad_id: int, gen: torch.Generator) -> torch.Tensor:
+    """The block loss with half the rows masking a suffix of their block (``left_to_right=0.5``)."""
+    return dlm_block_loss(model, prompts, targets, mask_id, pad_id, gen, left_to_right=0.5)
 
 
 def _masked_ce(model, prompts, ids, attention, masked, scored, mask_id: int) -> torch.Tensor:
@@ -150,7 +167,7 @@ def _masked_ce(model, prompts, ids, attention, masked, scored, mask_id: int) -> 
     return (ce * loss_at).sum(-1, keepdim=True)
 
 
-DLM_LOSSES = {"uniform": dlm_loss, "blocks": dlm_block_loss}
+DLM_LOSSES = {"uniform": dlm_loss, "blocks": dlm_block_loss, "blocks-l2r": dlm_block_l2r_loss}
 
 
 def train_from_scratch(
@@ -259,7 +276,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--teacher-lr", type=float, default=3e-3)
     parser.add_argument("--teacher-masking", choices=sorted(DLM_LOSSES), default="uniform",
                         help="uniform: mask the whole answer at one ratio; blocks: clean blocks, one partly "
-                             "masked block, then fully masked ones, as block decoding sees them")
+                             "masked block, then fully masked ones, as block decoding sees them; blocks-l2r: "
+                             "blocks, with half the rows masking a suffix of their block (left to right)")
     parser.add_argument("--student-steps", type=int, default=600)
     parser.add_argument("--student-batch", type=int, default=32)
     parser.add_argument("--student-lr", type=float, default=1e-3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -92,23 +93,30 @@ def test_ar_warm_start_loss_labels_the_solution_and_its_first_eos_only():
     assert seen["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 6], [0, 0, 0, 1, 2, 3, 4]]  # left padding skipped
 
 
+class _LogitRecorder:
+    """A stand-in diffusion model whose forward records its noisy input and returns zero logits (whose
+    gradient then shows which positions the loss scored)."""
+
+    def __init__(self, block: int, vocab: int, shift: bool, seen: dict):
+        self.config = type("Config", (), {"block_size": block, "shift_logits": shift})()
+        self.vocab, self.seen = vocab, seen
+
+    def __call__(self, input_ids, **kwargs):
+        self.seen["noisy"] = input_ids
+        self.seen["logits"] = torch.zeros(*input_ids.shape, self.vocab, requires_grad=True)
+        return type("Out", (), {"logits": self.seen["logits"]})()
+
+
 @pytest.mark.parametrize("shift", [False, True])
 def test_block_masking_loss_scores_one_block_as_block_decoding_sees_it(shift):
     example = load_script("examples/cdlm_arithmetic.py")
     block, gen_len, vocab, mask_id = 4, 10, 12, 3  # blocks [0, 4), [4, 8) and a short last one, [8, 10)
     seen = {}
 
-    class Recorder:
-        config = type("Config", (), {"block_size": block, "shift_logits": shift})()
-
-        def __call__(self, input_ids, **kwargs):
-            seen["noisy"] = input_ids
-            seen["logits"] = torch.zeros(*input_ids.shape, vocab, requires_grad=True)
-            return type("Out", (), {"logits": seen["logits"]})()
-
     prompts = [[7, 8]] * 64
     targets = [[5, 6, 9, 10, 11, 5, 6, 9, 2, 2]] * 64
-    loss = example.dlm_block_loss(Recorder(), prompts, targets, mask_id, pad_id=0, gen=torch.Generator().manual_seed(0))
+    loss = example.dlm_block_loss(_LogitRecorder(block, vocab, shift, seen), prompts, targets, mask_id, pad_id=0,
+                                  gen=torch.Generator().manual_seed(0))
     loss.backward()
     answer = seen["noisy"][:, -gen_len:] == mask_id
     scored = seen["logits"].grad.abs().sum(-1) > 0
@@ -128,6 +136,31 @@ def test_block_masking_loss_scores_one_block_as_block_decoding_sees_it(shift):
         expected[start + block :] = False
         assert scored[row].tolist() == expected.tolist(), row
     assert blocks_seen == {0, 4, 8}
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_left_to_right_block_loss_masks_a_suffix_of_the_block_and_averages_its_ce(shift):
+    example = load_script("examples/cdlm_arithmetic.py")
+    block, gen_len, vocab, mask_id = 4, 10, 12, 3
+    seen = {}
+
+    rows = 64
+    prompts, targets = [[7, 8]] * rows, [[5, 6, 9, 10, 11, 5, 6, 9, 2, 2]] * rows
+    loss = example.dlm_block_loss(_LogitRecorder(block, vocab, shift, seen), prompts, targets, mask_id, pad_id=0,
+                                  gen=torch.Generator().manual_seed(0), left_to_right=1.0)
+    # Uniform logits: every scored token costs log(vocab), so a mean over each row's suffix is log(vocab).
+    assert loss.item() == pytest.approx(math.log(vocab))
+    loss.backward()
+    answer = seen["noisy"][:, -gen_len:] == mask_id
+    scored = (seen["logits"].grad.abs().sum(-1) > 0)[:, -gen_len - shift : seen["noisy"].shape[1] - shift]
+    cuts = set()
+    for row in range(rows):
+        masked_from = int(answer[row].nonzero()[0])  # clean before the cut, masked from it to the end
+        assert answer[row, masked_from:].all() and not answer[row, :masked_from].any()
+        block_end = min(masked_from // block * block + block, gen_len)
+        assert scored[row].nonzero().flatten().tolist() == list(range(masked_from, block_end))
+        cuts.add(masked_from)
+    assert cuts == set(range(gen_len))  # every cut, the block starts included, is drawn
 
 
 def test_benchmark_decodes_in_batches(run):
