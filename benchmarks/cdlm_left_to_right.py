@@ -5,7 +5,12 @@ the canvas stays masked), as an AR model would decode; vanilla diffusion decodin
 confident position first. Prints how many held-out answers come out right and, per problem, the index of
 the first token that differs from the reference solution: where the teacher's knowledge breaks.
 
-    python benchmarks/cdlm_left_to_right.py --run runs/cdlm-long16 --problems 10
+``--teacher-forced`` also scores every position of the reference solution from the reference prefix before
+it (the rest masked): the share of next tokens the teacher gets right in the state an AR model always
+sees. ``--model converted-ar`` measures the run's AR warm start converted to a diffusion LM, before any
+diffusion training, instead of the trained teacher: what the conversion alone keeps.
+
+    python benchmarks/cdlm_left_to_right.py --run runs/cdlm-long16 --problems 10 --teacher-forced
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import hf_tidar  # noqa: F401  (registers the cdlm model type)
+from hf_tidar import CdlmForCausalLM
 from hf_tidar.cdlm.arithmetic import extract_answer, split_for_run
 
 
@@ -35,17 +40,48 @@ def left_to_right(teacher, question: torch.Tensor, gen_len: int, mask_id: int, e
     return canvas[0].tolist()
 
 
+@torch.no_grad()
+def teacher_forced(teacher, question: torch.Tensor, reference: list[int], mask_id: int) -> list[int]:
+    """Per position ``j`` of ``reference``, the teacher's greedy token given ``reference[:j]`` and masks after it."""
+    shift = int(teacher.config.shift_logits)
+    prompt_len = torch.tensor([[question.shape[1]]])
+    predictions = []
+    for j in range(len(reference)):
+        canvas = torch.tensor([reference[:j] + [mask_id] * (len(reference) - j)])
+        logits = teacher(input_ids=torch.cat([question, canvas], dim=1), prompt_len=prompt_len).logits
+        predictions.append(int(logits[0, question.shape[1] + j - shift].argmax()))
+    return predictions
+
+
+def load_model(run: Path, which: str):
+    """The run's trained teacher, or its AR warm start converted (Dream-style) with no diffusion training."""
+    teacher = AutoModelForCausalLM.from_pretrained(run / "teacher").eval()
+    if which == "teacher":
+        return teacher
+    ar = AutoModelForCausalLM.from_pretrained(run / "ar")
+    if ar.config.vocab_size < teacher.config.get_text_config().vocab_size:  # saved before the vocabulary grew
+        ar.resize_token_embeddings(teacher.config.get_text_config().vocab_size)
+    converted = CdlmForCausalLM.from_ar(ar, block_size=teacher.config.block_size,
+                                        mask_token_id=teacher.config.mask_token_id)
+    converted.generation_config.eos_token_id = teacher.generation_config.eos_token_id
+    return converted.eval()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run", type=Path, required=True, help="examples/cdlm_arithmetic.py's --out folder")
     parser.add_argument("--problems", type=int, default=10)
+    parser.add_argument("--teacher-forced", action="store_true",
+                        help="also score each reference token from the reference prefix before it")
+    parser.add_argument("--model", choices=("teacher", "converted-ar"), default="teacher",
+                        help="converted-ar: the run's AR warm start converted, before diffusion training")
     args = parser.parse_args()
     torch.set_num_threads(1)
     run_args = json.loads((args.run / "pipeline.json").read_text())["args"]
     _, test = split_for_run(run_args, args.problems)
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
-    teacher = AutoModelForCausalLM.from_pretrained(args.run / "teacher").eval()
-    right, first_wrong = 0, []
+    teacher = load_model(args.run, args.model)
+    right, first_wrong, forced_right, forced_total = 0, [], 0, 0
     for problem in test:
         question = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
         tokens = left_to_right(teacher, question, int(run_args["gen_len"]), tokenizer.mask_token_id,
@@ -53,7 +89,15 @@ def main() -> None:
         right += extract_answer(tokenizer.decode(tokens, skip_special_tokens=True)) == problem.answer
         reference = tokenizer(problem.solution, add_special_tokens=False)["input_ids"]
         first_wrong.append(next((i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None))
+        if args.teacher_forced:
+            reference = reference + [teacher.generation_config.eos_token_id]
+            predicted = teacher_forced(teacher, question, reference, tokenizer.mask_token_id)
+            forced_right += sum(a == b for a, b in zip(predicted, reference, strict=True))
+            forced_total += len(reference)
     print(f"left to right: {right} of {len(test)} answers right; first wrong token per problem: {first_wrong}")
+    if args.teacher_forced:
+        print(f"teacher-forced: {forced_right} of {forced_total} reference tokens right "
+              f"({forced_right / forced_total:.1%})")
 
 
 if __name__ == "__main__":

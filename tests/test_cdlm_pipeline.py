@@ -245,3 +245,17 @@ def test_left_to_right_diagnostic_is_vanilla_decoding_in_blocks_of_one(run):
         out = teacher.generate(question, max_new_tokens=12, strategy="dlm", threshold=None, block_size=1,
                                eos_token_id=None)
         assert tokens == out[0, question.shape[1] :].tolist()
+        # Scored from its own left-to-right prefixes, every greedy token is what the teacher predicts there.
+        assert script.teacher_forced(teacher, question, tokens, tokenizer.mask_token_id) == tokens
+
+
+def test_left_to_right_diagnostic_converts_the_ar_warm_start_without_diffusion_training(run):
+    script = load_script("benchmarks/cdlm_left_to_right.py")
+    from transformers import AutoModelForCausalLM
+
+    converted, trained = script.load_model(run, "converted-ar"), script.load_model(run, "teacher")
+    ar = AutoModelForCausalLM.from_pretrained(run / "ar")
+    assert converted.config.shift_logits and converted.config.block_size == trained.config.block_size
+    for name, weight in ar.model.state_dict().items():  # the AR weights, not the trained teacher's
+        assert torch.equal(converted.model.state_dict()[name], weight), name
+    assert not all(torch.equal(converted.model.state_dict()[n], w) for n, w in trained.model.state_dict().items())
