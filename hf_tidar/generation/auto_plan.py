@@ -209,6 +209,10 @@ class AutoDraftPlan:
         masks = self.mask_overhead if layout.groups else 0.0
         return interpolate(self.costs, q) + extra_rows * self.lm_head_row_cost + masks
 
+    def lookup_pass_cost(self, lookup_length: int) -> float:
+        """Seconds of a prompt-lookup pass: verification only, the verified token and ``lookup_length`` drafts."""
+        return self.step_cost(verification_plan(1 + lookup_length))
+
     def tokens_per_second(self, layout: DraftPlan, lookup_length: int | None = None) -> float:
         """Expected tokens per second of ``layout`` under the current statistics; with ``lookup_length``, in a
         decode whose passes draft by prompt lookup (up to ``lookup_length`` drafts) at the observed share."""
@@ -217,7 +221,7 @@ class AutoDraftPlan:
             return expected_tokens_per_pass(layout, alpha) / self.step_cost(layout)
         mix = pass_mix(layout, alpha, self.lookup.share)
         tokens = mix.lookup * self.lookup.tokens_per_pass + mix.diffusion_tokens
-        seconds = mix.lookup * self.step_cost(verification_plan(1 + lookup_length))
+        seconds = mix.lookup * self.lookup_pass_cost(lookup_length)
         seconds += mix.diffusion_share * self.step_cost(layout)
         return tokens / seconds
 

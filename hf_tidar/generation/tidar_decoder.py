@@ -133,7 +133,7 @@ class TidarDecoder:
     def _source_pass_cost(self, source: str) -> float:
         """Measured seconds of the next pass with drafts from ``source`` (under ``draft_layout="auto"``)."""
         if source == "prompt_lookup":
-            return self.auto.step_cost(verification_plan(1 + self.lookup_length))
+            return self.auto.lookup_pass_cost(self.lookup_length)
         return self.auto.step_cost(self.layout)
 
     def _buffer(self, prompt: torch.Tensor, capacity: int) -> torch.Tensor:
