@@ -28,17 +28,23 @@ from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.assets import SHIPPED_ADAPTER
 from hf_tidar.checkpoints import load_smollm2
 from hf_tidar.cpu.kernel import cpu_flags
+from hf_tidar.generation.draft_plan import DraftPlan
 from hf_tidar.training.gated_lora import load_tidar_adapter
 
 PREFIX = 120
 
 
-def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, head_rows: int) -> float:
-    """Seconds for one forward of ``ids`` after ``cache``, ``head_rows`` rows through the LM head (the cache
-    is cropped back to the prefix afterwards)."""
+def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, plan: DraftPlan | None) -> float:
+    """Seconds for one forward of ``ids`` after ``cache`` and the LM head over ``plan``'s projected rows (one row
+    without a plan: an AR step); the cache is cropped back to the prefix afterwards."""
     positions = torch.arange(PREFIX, PREFIX + ids.shape[1])[None]
     start = time.perf_counter()
-    model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=head_rows)
+    if plan is None:
+        model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+    else:
+        hidden = model.structured_hidden_states(ids, None, cache, position_ids=positions,
+                                                mask_tail_start=plan.draft_len)
+        model.vocab_logits(hidden[:, list(plan.projected_rows)], draft_rows_from=plan.draft_len)
     seconds = time.perf_counter() - start
     cache.crop(PREFIX - cache.get_seq_length())  # transformers 5: a negative count of tokens to remove
     return seconds
@@ -51,6 +57,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    parser.add_argument("--draft-dtypes", choices=["float32", "bfloat16"], nargs="+", default=["float32"],
+                        help="bfloat16: the [MASK] rows in bfloat16 (hf_tidar.cpu.enable's draft_dtype; float32 "
+                             "weights on a CPU with AVX-512 BF16); each one listed is timed in the same rounds")
     parser.add_argument("--groups", choices=["all", "first"], default="all",
                         help="every pre-draft group (k * k [MASK] rows) or the first only (k rows)")
     parser.add_argument("--linears", choices=["measured", "stock"], default="measured",
@@ -59,16 +68,18 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     ar, tokenizer = load_smollm2(quiet=True)
-    models = {
-        "no adapter": TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=copy.deepcopy(tokenizer)).eval(),
-        "lean adapter": load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True),
-    }
     dtype = getattr(torch, args.dtype)
-    models = {name: model.to(dtype) for name, model in models.items()}
-    if args.linears == "measured":
-        for model in models.values():
-            cpu.enable(model)
-    mask_id = models["lean adapter"].require_mask_token_id()
+    models = {}
+    for drafts in args.draft_dtypes:
+        suffix = "" if drafts == "float32" else f", {drafts} drafts"
+        plain = TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=copy.deepcopy(tokenizer)).eval()
+        lean = load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True)
+        for name, model in ((f"no adapter{suffix}", plain), (f"lean adapter{suffix}", lean)):
+            model = model.to(dtype)
+            if args.linears == "measured":
+                cpu.enable(model, draft_dtype=None if drafts == "float32" else drafts)
+            models[name] = model
+    mask_id = next(iter(models.values())).require_mask_token_id()
     prefix = torch.randint(100, 20000, (1, PREFIX), generator=torch.Generator().manual_seed(0))
     caches = {}
     for name, model in models.items():
@@ -78,22 +89,26 @@ def main() -> None:
     print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.dtype}, {args.linears} linears; a {PREFIX}-token cache; median of "
           f"{args.repeats} alternating calls")
-    print("\n| k | query rows (clean + [MASK]) | AR step ms | no adapter ms | lean adapter ms | adapter adds |"
+    print("\n| k | query rows (clean + [MASK]) | drafts | AR step ms | no adapter ms | lean adapter ms | adapter adds |"
           " pass / AR step |")
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     step = prefix[:, -1:]
+    first_model = next(iter(models))
     for k in args.draft_lengths:
-        masks = k * k if args.groups == "all" else k
+        plan = DraftPlan(k, tuple(range(1, k + 1)) if args.groups == "all" else (1,))
+        masks = plan.query_len - k
         ids = torch.cat([prefix[:, -k:], torch.full((1, masks), mask_id)], dim=1)
         samples: dict[str, list[float]] = {"ar": [], **{name: [] for name in models}}
         for _ in range(args.repeats + 2):  # the first two calls warm up
             for name, model in models.items():
-                samples[name].append(timed_forward(model, ids, caches[name], masks))
-            samples["ar"].append(timed_forward(models["no adapter"], step, caches["no adapter"], 1))
+                samples[name].append(timed_forward(model, ids, caches[name], plan))
+            samples["ar"].append(timed_forward(models[first_model], step, caches[first_model], None))
         ms = {name: statistics.median(values[2:]) * 1e3 for name, values in samples.items()}
-        print(f"| {k} | {k} + {masks} | {ms['ar']:.1f} | {ms['no adapter']:.1f} | {ms['lean adapter']:.1f} | "
-              f"{ms['lean adapter'] / ms['no adapter'] - 1:+.1%} | {ms['lean adapter'] / ms['ar']:.2f}x |",
-              flush=True)
+        for drafts in args.draft_dtypes:
+            suffix = "" if drafts == "float32" else f", {drafts} drafts"
+            plain, lean = ms[f"no adapter{suffix}"], ms[f"lean adapter{suffix}"]
+            print(f"| {k} | {k} + {masks} | {drafts} | {ms['ar']:.1f} | {plain:.1f} | {lean:.1f} | "
+                  f"{lean / plain - 1:+.1%} | {lean / ms['ar']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

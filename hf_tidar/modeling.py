@@ -359,15 +359,24 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             )
         return outputs.last_hidden_state
 
-    def vocab_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def vocab_logits(self, hidden: torch.Tensor, draft_rows_from: int | None = None) -> torch.Tensor:
         """``lm_head`` over ``hidden`` ``[..., H]``, fed as one compact ``[rows, H]`` matrix.
 
         A slice of a longer sequence (``hidden[:, :k]``) keeps the sequence's batch stride. On a CPU in
         bf16, with a frozen head (``requires_grad=False``, as under a PEFT adapter), ``F.linear`` takes a
         path about 20x slower for such a 3-D input (PyTorch 2.13: 42 ms against 2 ms for SmolLM2's
         49k-word head). Flattening the rows first is a view for one sequence.
+
+        ``draft_rows_from``: for one sequence, the row from which ``hidden`` holds ``[MASK]`` rows only (their
+        logits are drafts): where ``hf_tidar.cpu.enable(..., draft_dtype=torch.bfloat16)`` applies, they are
+        projected in bfloat16.
         """
-        logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1]))
+        tail = getattr(self, "mask_tail", None)
+        one_sequence = hidden.dim() == 2 or hidden.shape[0] == 1
+        # The head's rows are not the query's: the backbone's tail start must not carry over to them.
+        fixed = tail.fixed_at(draft_rows_from if one_sequence else None) if tail is not None else nullcontext()
+        with fixed:
+            logits = self.lm_head(hidden.reshape(-1, hidden.shape[-1]))
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     def require_mask_token_id(self) -> int:

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hf_tidar"
 # Lowest first. A module's layer is that of its first path component under hf_tidar/.
 LAYERS: list[set[str]] = [
     {"_logging", "_quiet", "_warning_stacklevel", "assets", "adapter_format", "cache", "configuration", "losses",
-     "masks", "prompts", "backbones", "prompt_encoding", "dataset_shards"},
+     "masks", "mask_tail", "prompts", "backbones", "prompt_encoding", "dataset_shards"},
     {"kernels", "cpu", "checkpoints"},
     {"adapters"},
     {"generation"},

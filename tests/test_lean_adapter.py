@@ -95,6 +95,36 @@ def test_on_the_kernel_the_update_is_fused_and_clean_rows_stay_the_base_models(d
     assert gap < 0.05 * (want[:, 10:].float() - clean[:, 10:].float()).norm()
 
 
+def test_bfloat16_drafts_take_bfloat16_factors_and_leave_clean_rows_alone(tmp_path, monkeypatch):
+    from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel
+
+    if few_row_bf16_tail_kernel() is None:
+        pytest.skip("bfloat16 drafts need the kernel's AVX-512 BF16 build")
+    peft, lean, base = _gated_pair(torch.float32)
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "COLD_BYTES", 1 << 16)
+    cpu.enable(base)
+    cpu.enable(lean, draft_dtype=torch.bfloat16)
+    q_proj = lean.model.layers[0].self_attn.q_proj
+    assert q_proj.lora_a16.dtype == torch.bfloat16 and torch.equal(q_proj.lora_a16, q_proj.lora_a.bfloat16())
+    ids = counting_batch(1, 10, VOCAB, torch.Generator().manual_seed(1))
+    x = _doubled(ids, lean.config.mask_token_id)
+    layout = tidar_training_layout(torch.ones_like(ids), BLOCK)
+    with torch.no_grad():
+        want = peft.base_model.model.structured_hidden_states(x, layout)
+        got = lean.structured_hidden_states(x, layout, mask_tail_start=10)
+        clean = base.structured_hidden_states(x, layout)
+    assert torch.equal(got[:, :10], clean[:, :10])  # bit for bit
+    assert not torch.equal(got[:, 10:], want[:, 10:])  # the drafts did go through bfloat16 ...
+    gap = (got[:, 10:] - want[:, 10:]).norm()  # ... and differ from float32 ones by rounding only
+    assert gap < 0.05 * (want[:, 10:] - clean[:, 10:]).norm()
+    prompts = counting_batch(1, 7, VOCAB, torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(lean.generate(prompts, strategy="tidar", draft_length=3, **settings),
+                           lean.generate(prompts, **settings))
+
+
 @pytest.mark.parametrize("draft_length,groups", [(4, None), (3, [1]), (2, None), (4, [1, 3])])
 @pytest.mark.parametrize("measured", [False, True])
 def test_tidar_generate_is_the_same_with_lean_and_peft_adapters(draft_length, groups, measured, tmp_path, monkeypatch):

@@ -20,53 +20,12 @@ pushing stay PEFT; this form is for generation (``load_tidar_adapter(..., lean=T
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.linear import few_rows_lora_forward, linear_forward
-
-
-@dataclass
-class MaskTail:
-    """Where the current forward's ``[MASK]`` tail starts (``None``: no masks, the adapter is off)."""
-
-    mask_token_id: int
-    start: int | None = None
-    fixed: bool = False
-
-    @contextlib.contextmanager
-    def fixed_at(self, start: int) -> Iterator[None]:
-        """Use ``start`` for the forward inside this block instead of searching ``input_ids``."""
-        self.start, self.fixed = start, True
-        try:
-            yield
-        finally:
-            self.start, self.fixed = None, False
-
-    def find(self, input_ids: torch.Tensor | None) -> int | None:
-        """The query index from which every token of every row is ``[MASK]``, or ``None`` without masks.
-
-        Raises:
-            ValueError: a ``[MASK]`` before the tail (the lean form cannot gate that; the PEFT form can).
-        """
-        if input_ids is None:  # embeddings carry no token ids: no position is recognisably [MASK]
-            return None
-        is_mask = input_ids == self.mask_token_id
-        if not bool(is_mask.any()):
-            return None
-        trailing = int(is_mask.all(0).flip(0).long().cumprod(0).sum())
-        start = input_ids.shape[-1] - trailing
-        if bool(is_mask[..., :start].any()):
-            raise ValueError(
-                "The lean gated adapter needs the [MASK] tokens to be a tail of the query (as in every TiDAR "
-                "pass); this input has [MASK] elsewhere. Load the adapter with lean=False for such inputs."
-            )
-        return start
+from ..mask_tail import MaskTail, ensure_mask_tail
 
 
 class TailLoraLinear(nn.Linear):
@@ -171,7 +130,7 @@ def install_lean(tidar, linears: dict[str, tuple[torch.Tensor, torch.Tensor]],
                  embeddings: dict[str, torch.Tensor]) -> MaskTail:
     """Give ``tidar``'s modules their adapter factors (``linears``: name -> (A, scale·B); ``embeddings``:
     name -> adapted ``[MASK]`` row) and install the tail that gates them."""
-    tail = MaskTail(tidar.require_mask_token_id())
+    tail = ensure_mask_tail(tidar, strict=True)
     for name, (a, b) in linears.items():
         module = tidar.get_submodule(name)
         if not isinstance(module, nn.Linear):
@@ -186,19 +145,9 @@ def install_lean(tidar, linears: dict[str, tuple[torch.Tensor, torch.Tensor]],
         module.__class__ = TailEmbedding
         module.register_buffer("mask_embedding", vector.to(module.weight), persistent=False)
         module.tail = tail
-    tidar.mask_tail = tail
-    tidar.model.register_forward_pre_hook(_find_tail(tail), with_kwargs=True)
     return tail
-
-
-def _find_tail(tail: MaskTail):
-    def hook(module, args, kwargs):
-        if not tail.fixed:
-            tail.start = tail.find(kwargs.get("input_ids", args[0] if args else None))
-
-    return hook
 
 
 def is_lean(model: nn.Module) -> bool:
     """Whether ``model`` carries a lean gated adapter."""
-    return getattr(model, "mask_tail", None) is not None
+    return any(isinstance(module, (TailLoraLinear, TailEmbedding)) for module in model.modules())

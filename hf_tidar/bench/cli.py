@@ -65,6 +65,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--lookup-length", nargs="+", type=int, default=[DEFAULT_LOOKUP_LENGTH],
                         help="most prompt-lookup drafts a pass verifies, for the lookup draft sources (one row set "
                         "each)")
+    parser.add_argument("--draft-dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
+                        help="with --cpu-linears and float32: bfloat16 also runs every TiDAR row on a copy of the model "
+                        "whose [MASK] rows (drafts) multiply in bfloat16 (AVX-512 BF16 CPUs), rows suffixed -bf16-drafts")
     parser.add_argument("--first-group-layouts", action="store_true",
                         help="also run each draft length with pre-draft group 1 only (2k query tokens, not k(k+1))")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -126,6 +129,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         draft_sources=args.draft_source,
         lookup_lengths=args.lookup_length,
         first_group_layouts=args.first_group_layouts,
+        draft_dtypes=args.draft_dtypes,
     )
 
 

@@ -41,6 +41,7 @@ class BenchConfig:
     draft_sources: list[str] = field(default_factory=lambda: ["diffusion"])
     first_group_layouts: bool = False  # also run each k with pre-draft group 1 only
     lookup_lengths: list[int] = field(default_factory=lambda: [DEFAULT_LOOKUP_LENGTH])  # per lookup source
+    draft_dtypes: list[str] = field(default_factory=lambda: ["float32"])  # bfloat16: [MASK] rows in bf16 (CPU)
 
     def validate(self) -> None:
         """Raise a ``ValueError`` that says what to change."""
@@ -55,5 +56,10 @@ class BenchConfig:
                 raise ValueError(f"{name} values must be >= 1, got {values}.")
         if self.max_new_tokens < 1 or self.repeats < 1:
             raise ValueError("--max-new-tokens and --repeats must be >= 1.")
+        if any(d not in ("float32", "bfloat16") for d in self.draft_dtypes):
+            raise ValueError(f"--draft-dtypes takes float32 and bfloat16, got {self.draft_dtypes}.")
+        if "bfloat16" in self.draft_dtypes and (not self.cpu_linears or self.dtype != "float32"):
+            raise ValueError("--draft-dtypes bfloat16 multiplies the [MASK] rows of a float32 model in bfloat16 on "
+                             "the CPU kernel: add --cpu-linears and keep --dtype float32.")
         if not self.prompts:
             raise ValueError("No prompts to run: pass --prompts FILE or a positive --per-set.")

@@ -100,6 +100,9 @@ def _tidar_methods(config: BenchConfig, models: Models) -> list[Method]:
         if config.auto_layout:
             methods.append(Method(f"tidar-auto{suffix}", "tidar", "main",
                                   {"strategy": "tidar", "draft_layout": "auto", **extra}, layout="auto"))
+    if models.main_bf16_drafts is not None:  # the same rows on the copy whose [MASK] rows are bfloat16
+        methods += [Method(f"{m.name}-bf16-drafts", m.family, "main_bf16_drafts", m.kwargs, m.draft_length, m.layout)
+                    for m in methods]
     return methods
 
 

@@ -27,6 +27,7 @@ class Models:
     assistant: torch.nn.Module | None = None
     dlm_teacher: torch.nn.Module | None = None
     cdlm_student: torch.nn.Module | None = None
+    main_bf16_drafts: torch.nn.Module | None = None  # main with bfloat16 [MASK] rows, under --draft-dtypes bfloat16
     description: str = ""
 
     @property
@@ -70,7 +71,7 @@ def load_models(config: BenchConfig) -> Models:
         if getattr(config, name):
             setattr(models, name, _load_diffusion(getattr(config, name), tokenizer).to(device=device, dtype=dtype).eval())
     if config.cpu_linears:
-        _use_measured_linears(models)
+        _use_measured_linears(models, bf16_drafts="bfloat16" in config.draft_dtypes)
     return models
 
 
@@ -85,13 +86,16 @@ def _smollm2_with_adapter(adapter: str):
     return main, tokenizer, f"SmolLM2-135M-Instruct + gated TiDAR adapter ({folder.name})", ar_baseline
 
 
-def _use_measured_linears(models: Models) -> None:
-    """Every model on the measured CPU linear path; a stock-linear copy of the baseline stays for its own row."""
+def _use_measured_linears(models: Models, bf16_drafts: bool = False) -> None:
+    """Every model on the measured CPU linear path; a stock-linear copy of the baseline stays for its own row,
+    and with ``bf16_drafts`` a copy of the main model drafts in bfloat16."""
     import copy
 
     from .. import cpu
 
     models.stock_baseline = copy.deepcopy(models.baseline)
+    if bf16_drafts:
+        models.main_bf16_drafts = cpu.enable(copy.deepcopy(models.main), draft_dtype=torch.bfloat16)
     for name in ("main", "ar_baseline", "assistant", "dlm_teacher", "cdlm_student"):
         model = getattr(models, name)
         if model is not None:

@@ -103,6 +103,10 @@ struct Avx512F32 {
       asm("" : "+v"(v));
       return v;
     }
+    static __m512i pinned_i(__m512i v) {
+      asm("" : "+v"(v));
+      return v;
+    }
   };
   using Lora = Main;
 };
@@ -250,21 +254,110 @@ inline void dot_tile(const typename V::T* x, int64_t K, const typename V::T* w, 
 #endif
 }
 
+#ifdef HF_TIDAR_KERNEL_BF16
+// Draft rows in bfloat16 under float32 weights. Rows before `first` are clean: the same 16-wide float32
+// FMAs, in the same order, as the plain path (their bits do not change). Rows from `first` on (the [MASK]
+// rows, whose outputs are only ever drafts) take vdpbf16ps on `b16`, the weight tile rounded to bfloat16
+// once per column block (see column_block), against a bfloat16 copy of their inputs `a16`: half the
+// instructions of float32 for those rows. The last n mod 32 terms are float32 for every row.
+template <int MR, int NR>
+inline void dot_segment_mixed(__m512 (&acc)[MR][NR], const float* a, const bf16* a16, int64_t lda, const float* b,
+                              const bf16* b16, int64_t ldb, int64_t n, const char*& next, const char* end,
+                              int first) {
+  using P = F32::Main;
+  constexpr int64_t kPrefetchBytes = NR * 32 * int64_t(sizeof(float));
+  int64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    for (int64_t off = 0; off < kPrefetchBytes && next < end; off += 64, next += 64) _mm_prefetch(next, _MM_HINT_T0);
+    if (first > 0) {  // clean rows: step k, then step k + 16, as the 16-wide loop does
+      __m512 lo[NR], hi[NR];
+      for (int j = 0; j < NR; ++j) {
+        lo[j] = P::load_b(b + j * ldb + k);
+        hi[j] = P::load_b(b + j * ldb + k + 16);
+      }
+      for (int i = 0; i < MR; ++i) {
+        if (i >= first) continue;
+        const __m512 a0 = P::load_a(a + i * lda + k);
+        for (int j = 0; j < NR; ++j) P::fma(acc[i][j], a0, lo[j]);
+        const __m512 a1 = P::load_a(a + i * lda + k + 16);
+        for (int j = 0; j < NR; ++j) P::fma(acc[i][j], a1, hi[j]);
+      }
+    }
+    if (first < MR) {
+      __m512i w[NR];
+      for (int j = 0; j < NR; ++j) w[j] = P::pinned_i(_mm512_loadu_si512(b16 + j * ldb + k));
+      for (int i = 0; i < MR; ++i) {
+        if (i < first) continue;
+        __m512i av = P::pinned_i(_mm512_loadu_si512(a16 + (i - first) * lda + k));
+        for (int j = 0; j < NR; ++j)
+          acc[i][j] = _mm512_dpbf16_ps(acc[i][j], reinterpret_cast<__m512bh&>(av), reinterpret_cast<__m512bh&>(w[j]));
+      }
+    }
+  }
+  if (k < n)
+    dot_segment<F32, P, MR, NR>(acc, a + k, lda, b + k, ldb, n - k, next, end);
+}
+
+// NR weight rows of length K rounded to bfloat16 into `out` (the first K - K mod 32 columns of each row).
+template <int NR>
+inline void round_weight_tile(const float* w, int64_t K, bf16* out) {
+  for (int j = 0; j < NR; ++j)
+    for (int64_t k = 0; k + 32 <= K; k += 32) {
+      const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(w + j * K + k + 16), _mm512_loadu_ps(w + j * K + k));
+      _mm512_storeu_si512(out + j * K + k, reinterpret_cast<const __m512i&>(v));  // elements k..k+31 in order
+    }
+}
+
+// dot_tile with draft rows in bfloat16 (rows from `first` on; see dot_segment_mixed), their LoRA update from
+// bfloat16 lora_b rows.
+template <int MR, int NR>
+inline void dot_tile_mixed(const float* x, const bf16* x16, int64_t K, const float* w, const bf16* w16,
+                           const float* z, int first, const bf16* b, int64_t R, float* y, int64_t ldy,
+                           const float* bias, const char*& next, const char* end) {
+  __m512 acc[MR][NR];
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  dot_segment_mixed<MR, NR>(acc, x, x16, K, w, w16, K, K, next, end, first);
+  if (z) dot_segment<Avx512Bf16, Avx512Bf16::Lora, MR, NR>(acc, z, R, b, R, R, next, end, first);
+  float sums[16];
+  tile_sums<MR, NR>(acc, sums);
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j) y[i * ldy + j] = bias ? sums[4 * i + j] + bias[j] : sums[4 * i + j];
+}
+#endif
+
 // All M rows of x against NR weight rows, in row tiles of at most kRows, rows from `tail` on with their LoRA
 // codes z ([M - tail, R]; none if z is null). One pass over the weight tile serves clean and tail rows alike
 // (tiles of their own cost up to 50% more in float32), and the tiles have near-equal heights (6 rows: 3 + 3,
 // not 4 + 2). Measured by benchmarks/kernel_rows.py against the split tiles, float32, one decoder layer of
 // SmolLM2: 2 clean + 2 tail rows 659 -> 463 µs, 3 + 9 rows 1085 -> 878 µs, 5 clean rows 623 -> 518 µs.
-template <class V, int NR, class Out>
-inline void column_block(const typename V::T* x, int64_t M, int64_t K, const typename V::T* w, const float* z,
-                         const typename V::T* b, int64_t R, int64_t tail, Out* y, int64_t N,
+template <class V, int NR, bool Mixed, class Out, class LB>
+inline void column_block(const typename V::T* x, const bf16* x16, int64_t M, int64_t K, const typename V::T* w,
+                         const float* z, const LB* b, int64_t R, int64_t tail, Out* y, int64_t N,
                          const typename V::T* bias, const char* next, const char* end) {
   static_assert(V::kRows == 4, "the remainder switch below covers 1-3 rows");
+#ifdef HF_TIDAR_KERNEL_BF16
+  // Draft rows read the weight tile rounded to bfloat16 once here, whatever the number of their row tiles.
+  thread_local std::vector<bf16> w16;
+  if constexpr (Mixed) {
+    if (tail < M) {
+      w16.resize(NR * K);
+      round_weight_tile<NR>(w, K, w16.data());
+    }
+  }
+#endif
   auto tile = [&](auto rows, int64_t m) {
     constexpr int MR = decltype(rows)::value;
-    const int first = z ? int(std::clamp<int64_t>(tail - m, 0, MR)) : MR;
-    const float* codes = first < MR ? z + (m + first - tail) * R : nullptr;
-    dot_tile<V, MR, NR>(x + m * K, K, w, codes, first, b, R, y + m * N, N, bias, next, end);
+    const int first = (z || Mixed) ? int(std::clamp<int64_t>(tail - m, 0, MR)) : MR;
+    const float* codes = z && first < MR ? z + (m + first - tail) * R : nullptr;
+#ifdef HF_TIDAR_KERNEL_BF16
+    if constexpr (Mixed) {
+      const bf16* drafts = first < MR ? x16 + (m + first - tail) * K : nullptr;
+      dot_tile_mixed<MR, NR>(x + m * K, drafts, K, w, w16.data(), codes, first, b, R, y + m * N, N, bias, next, end);
+      return;
+    }
+#endif
+    if constexpr (!Mixed) dot_tile<V, MR, NR>(x + m * K, K, w, codes, first, b, R, y + m * N, N, bias, next, end);
   };
   // Tiles of near-equal height (6 rows: 3 + 3, not 4 + 2), measured faster than full tiles and a remainder.
   const int64_t tiles = (M + V::kRows - 1) / V::kRows;
@@ -280,41 +373,43 @@ inline void column_block(const typename V::T* x, int64_t M, int64_t K, const typ
   }
 }
 
-template <class V, int NR, class Out>
-inline void column_block_of(int64_t width, const typename V::T* x, int64_t M, int64_t K, const typename V::T* w,
-                            const float* z, const typename V::T* b, int64_t R, int64_t tail, Out* y, int64_t N,
-                            const typename V::T* bias, const char* next, const char* end) {
+template <class V, int NR, bool Mixed, class Out, class LB>
+inline void column_block_of(int64_t width, const typename V::T* x, const bf16* x16, int64_t M, int64_t K,
+                            const typename V::T* w, const float* z, const LB* b, int64_t R, int64_t tail, Out* y,
+                            int64_t N, const typename V::T* bias, const char* next, const char* end) {
   if constexpr (NR > 1) {
-    if (width < NR) return column_block_of<V, NR - 1>(width, x, M, K, w, z, b, R, tail, y, N, bias, next, end);
+    if (width < NR)
+      return column_block_of<V, NR - 1, Mixed>(width, x, x16, M, K, w, z, b, R, tail, y, N, bias, next, end);
   }
-  column_block<V, NR>(x, M, K, w, z, b, R, tail, y, N, bias, next, end);
+  column_block<V, NR, Mixed>(x, x16, M, K, w, z, b, R, tail, y, N, bias, next, end);
 }
 
 // y = x @ wᵀ (+ bias), rows from `tail` on plus z @ bᵀ (z: [M - tail, R] float32, b: [N, R]; none if z is null).
-// `parallel`: split the columns among torch's threads (a small product is faster on the calling thread alone:
-// a thread-pool dispatch costs more than the LoRA codes x @ lora_aᵀ themselves).
-template <class V, class Out>
+// `Mixed`: rows from `tail` on in bfloat16 (x16: their inputs rounded to bfloat16; b: bfloat16), see
+// dot_segment_mixed. `parallel`: split the columns among torch's threads (a small product is faster on the
+// calling thread alone: a thread-pool dispatch costs more than the LoRA codes x @ lora_aᵀ themselves).
+template <class V, bool Mixed = false, class Out, class LB = typename V::T>
 void rows_times_weight(const typename V::T* x, int64_t M, int64_t K, const typename V::T* w, int64_t N, Out* y,
-                       const typename V::T* bias, const float* z, const typename V::T* b, int64_t R, int64_t tail,
-                       bool parallel = true) {
+                       const typename V::T* bias, const float* z, const LB* b, int64_t R, int64_t tail,
+                       bool parallel = true, const bf16* x16 = nullptr) {
   using T = typename V::T;
   constexpr int kColumns = V::kColumns;
-  if (!z) tail = M;
+  if (!z && !Mixed) tail = M;
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n = blk * kColumns;
       const T* bn = bias ? bias + n : nullptr;
-      const T* lora = b ? b + n * R : nullptr;
+      const LB* lora = b ? b + n * R : nullptr;
       const char* next = reinterpret_cast<const char*>(w + std::min<int64_t>(n + kColumns, N) * K);
       const char* end = reinterpret_cast<const char*>(w + std::min<int64_t>(n + 2 * kColumns, N) * K);
       if (blk + 1 >= b1) end = next;  // the next block belongs to the other thread
       if (lora && blk + 1 < b1) {  // and the next block's LoRA rows (a few lines, missed otherwise)
         const char* lines = reinterpret_cast<const char*>(lora + kColumns * R);
-        for (int64_t off = 0; off < kColumns * R * int64_t(sizeof(T)); off += 64) _mm_prefetch(lines + off, _MM_HINT_T0);
+        for (int64_t off = 0; off < kColumns * R * int64_t(sizeof(LB)); off += 64) _mm_prefetch(lines + off, _MM_HINT_T0);
       }
-      column_block_of<V, kColumns>(std::min<int64_t>(kColumns, N - n), x, M, K, w + n * K, z, lora, R, tail, y + n,
-                                   N, bn, next, end);
+      column_block_of<V, kColumns, Mixed>(std::min<int64_t>(kColumns, N - n), x, x16, M, K, w + n * K, z, lora, R,
+                                          tail, y + n, N, bn, next, end);
     }
   };
   if (parallel)
@@ -361,15 +456,60 @@ at::Tensor linear_with_tail(const at::Tensor& x, const at::Tensor& weight, const
                     lora_b->size(1) == R,
                 "few_row_linear: lora_a must be [R, K] and lora_b [N, R]");
     z.resize((M - tail) * R);  // the tail rows' low-rank codes x @ lora_aᵀ, in float32
-    rows_times_weight<V, float>(x.data_ptr<T>() + tail * K, M - tail, K, lora_a->data_ptr<T>(), R, z.data(),
+    rows_times_weight<V, false, float, T>(x.data_ptr<T>() + tail * K, M - tail, K, lora_a->data_ptr<T>(), R, z.data(),
                                 nullptr, nullptr, nullptr, 0, M - tail, /*parallel=*/false);
     b_data = lora_b->data_ptr<T>();
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  rows_times_weight<V, T>(x.data_ptr<T>(), M, K, weight.data_ptr<T>(), N, y.data_ptr<T>(), bias_data,
+  rows_times_weight<V, false, T, T>(x.data_ptr<T>(), M, K, weight.data_ptr<T>(), N, y.data_ptr<T>(), bias_data,
                           z.empty() ? nullptr : z.data(), b_data, R, tail);
   return y;
 }
+
+#ifdef HF_TIDAR_KERNEL_BF16
+// few_row_linear for float32 x and weight whose rows from tail_start on are drafts: those rows are multiplied
+// in bfloat16 (inputs and weights rounded to bfloat16, float32 sums; lora_a and lora_b, if given, bfloat16).
+// Rows before tail_start are bit for bit few_row_linear's.
+at::Tensor few_row_linear_bf16_tail(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                    const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                                    int64_t tail_start) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1),
+              "few_row_linear_bf16_tail: x must be [M, K] and weight [N, K]");
+  check_matrix(x, "x", at::kFloat);
+  check_matrix(weight, "weight", at::kFloat);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const float* bias_data = nullptr;
+  if (bias.has_value()) {
+    check_matrix(*bias, "bias", at::kFloat);
+    TORCH_CHECK(bias->numel() == N, "few_row_linear_bf16_tail: bias must have N elements");
+    bias_data = bias->data_ptr<float>();
+  }
+  const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
+  const float* xs = x.data_ptr<float>();
+  std::vector<bf16> x16((M - tail) * K);
+  for (int64_t i = 0; i < (M - tail) * K; ++i) x16[i] = bf16(xs[tail * K + i]);
+  std::vector<float> z;
+  const bf16* b_data = nullptr;
+  int64_t R = 0;
+  if (lora_a.has_value() && tail < M) {
+    TORCH_CHECK(lora_b.has_value(), "few_row_linear_bf16_tail: lora_a needs lora_b");
+    check_matrix(*lora_a, "lora_a", at::kBFloat16);
+    check_matrix(*lora_b, "lora_b", at::kBFloat16);
+    R = lora_a->size(0);
+    TORCH_CHECK(lora_a->dim() == 2 && lora_a->size(1) == K && lora_b->dim() == 2 && lora_b->size(0) == N &&
+                    lora_b->size(1) == R,
+                "few_row_linear_bf16_tail: lora_a must be [R, K] and lora_b [N, R]");
+    z.resize((M - tail) * R);
+    rows_times_weight<Avx512Bf16, false, float, bf16>(x16.data(), M - tail, K, lora_a->data_ptr<bf16>(), R, z.data(),
+                                                      nullptr, nullptr, nullptr, 0, M - tail, /*parallel=*/false);
+    b_data = lora_b->data_ptr<bf16>();
+  }
+  at::Tensor y = at::empty({M, N}, x.options());
+  rows_times_weight<F32, true, float, bf16>(xs, M, K, weight.data_ptr<float>(), N, y.data_ptr<float>(), bias_data,
+                                            z.empty() ? nullptr : z.data(), b_data, R, tail, true, x16.data());
+  return y;
+}
+#endif
 
 at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                           const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
@@ -400,5 +540,10 @@ HF_TIDAR_DEFINE_LIBRARY(HF_TIDAR_KERNEL_LIBRARY, m) {
   m.def("few_row_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? lora_a, Tensor? lora_b, int tail_start)"
         " -> Tensor",
         &few_row_linear);
+#ifdef HF_TIDAR_KERNEL_BF16
+  m.def("few_row_linear_bf16_tail(Tensor x, Tensor weight, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
+        "int tail_start) -> Tensor",
+        &few_row_linear_bf16_tail);
+#endif
   m.def("few_row_isa() -> str", &few_row_isa);
 }

@@ -137,6 +137,21 @@ def few_row_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Te
     return built_kernel(isa)
 
 
+def few_row_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
+    """The few-row matmul for float32 weights whose tail rows (TiDAR's ``[MASK]`` rows, drafts only) are
+    multiplied in bfloat16; ``None`` unless the AVX-512 BF16 build runs here.
+
+    Signature as :func:`few_row_kernel`'s, with float32 ``x``, ``weight`` and ``bias`` and bfloat16 ``lora_a``
+    and ``lora_b``. Rows before ``tail_start`` have the bits of the float32 kernel; rows from it on are
+    products of bfloat16-rounded inputs and weights summed in float32 (the last ``K mod 32`` terms in float32).
+    """
+    isa = kernel_isa()
+    if _unavailable_reason(isa) is not None or isa != "avx512_bf16":
+        return None
+    library = built_library(isa)
+    return None if library is None else library.few_row_linear_bf16_tail
+
+
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
     """The row-invariant attention operator (``row_attention.cpp``) for ``dtype`` (float32 or bfloat16, on
     every build), built on first use; ``None`` where the library cannot run here.

@@ -26,6 +26,7 @@ import logging
 import os
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..assets import cache_root
-from .kernel import build_key, cpu_info, few_row_kernel
+from ..mask_tail import ensure_mask_tail
+from .kernel import build_key, cpu_info, few_row_bf16_tail_kernel, few_row_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +228,11 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     rows = _measured_rows(module, x)
     if not rows:
         return F.linear(x, module.weight, module.bias)
+    draft_from = _draft_rows_from(module, x, rows)
+    if draft_from is not None:
+        out = module.draft_op(x.reshape(rows, x.shape[-1]).contiguous(), module.weight, module.bias, None, None,
+                              draft_from)
+        return out.view(*x.shape[:-1], module.out_features)
     choice = module.choices[rows - 1]
     if choice.method == "linear":
         return F.linear(x, module.weight, module.bias)
@@ -255,9 +262,22 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, lora_a: torch.Tens
     rows = _measured_rows(module, x) if kernel is not None else 0
     if not rows or rows != x.shape[-2]:
         return None
-    out = kernel(x.reshape(rows, x.shape[-1]).contiguous(), module.weight, module.bias, lora_a, lora_b,
-                 tail_start)
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    if _draft_rows_from(module, x, rows) == tail_start:  # the [MASK] tail in bfloat16, with bfloat16 factors
+        out = module.draft_op(flat, module.weight, module.bias, module.lora_a16, module.lora_b16, tail_start)
+    else:
+        out = kernel(flat, module.weight, module.bias, lora_a, lora_b, tail_start)
     return out.view(*x.shape[:-1], module.out_features)
+
+
+def _draft_rows_from(module: nn.Linear, x: torch.Tensor, rows: int) -> int | None:
+    """Where ``x``'s draft rows start when ``module`` multiplies the ``[MASK]`` tail in bfloat16
+    (:func:`enable`'s ``draft_dtype``) and ``x`` is one sequence with such a tail in this forward; else ``None``."""
+    tail = module.__dict__.get("draft_tail")
+    start = None if tail is None else tail.start
+    if start is None or rows != x.shape[-2] or start >= rows:  # no tail here, or a batch of sequences
+        return None
+    return start
 
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:
@@ -289,7 +309,8 @@ def exact_choices() -> list[Choice]:
     return [Choice("few_rows", rows) for rows in range(1, MAX_ROWS + 1)]
 
 
-def enable(model: nn.Module, remeasure: bool = False, attention: bool = True) -> nn.Module:
+def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
+           draft_dtype: torch.dtype | str | None = None) -> nn.Module:
     """Make every CPU ``nn.Linear`` of ``model`` a :class:`MeasuredLinear` (in place; returns ``model``).
 
     Where this package's few-row kernel multiplies the weights' dtype, it takes every row count up to
@@ -300,6 +321,11 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True) ->
     With ``attention`` (default), a model on transformers' default ``sdpa`` attention also switches to the
     row-invariant ``tidar_cpu`` backend (:mod:`hf_tidar.cpu.attention`) where its operator builds; with
     the kernel linears, greedy TiDAR then equals greedy AR bit for bit in bfloat16 as in float32.
+
+    ``draft_dtype=torch.bfloat16`` (a float32 TiDAR model, a CPU with AVX-512 BF16): the rows of a pass's
+    ``[MASK]`` tail — drafts, which verification never trusts — are multiplied in bfloat16, clean rows as
+    before, bit for bit. Output stays exact; drafts may differ from float32 ones by rounding. Where it cannot
+    run (another CPU or dtype) a warning says so and drafts stay in the weights' dtype.
     """
     plans: dict[tuple, list[Choice]] = {}
     dtypes = set()
@@ -321,7 +347,40 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True) ->
         module._packed_version = -1
     if attention and dtypes:
         _use_row_attention(model, dtypes)
+    if draft_dtype is not None:
+        _draft_in(model, draft_dtype)
     return model
+
+
+def _draft_in(model: nn.Module, draft_dtype: torch.dtype | str) -> None:
+    """Give ``model``'s float32 kernel linears the bfloat16 draft-row operator (see :func:`enable`)."""
+    dtype = getattr(torch, draft_dtype) if isinstance(draft_dtype, str) else draft_dtype
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"draft_dtype must be torch.float32 or torch.bfloat16, got {draft_dtype!r}.")
+    if dtype == torch.float32:
+        return
+    if not hasattr(model, "require_mask_token_id"):
+        raise ValueError(f"draft_dtype applies to TiDAR models (their [MASK] rows); {type(model).__name__} has none. "
+                         "Convert it with TidarForCausalLM.from_ar(model) first.")
+    op = few_row_bf16_tail_kernel()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.__dict__.get("plan_dtype") == torch.float32
+               and m.__dict__.get("few_row_op") is not None]
+    if op is None or not linears:
+        warnings.warn("draft_dtype=torch.bfloat16 needs float32 weights and this package's CPU kernel built for "
+                      "AVX-512 BF16; drafts stay in the weights' dtype here.", stacklevel=3)
+        return
+    tail = ensure_mask_tail(model)
+    for module in linears:
+        module.draft_op = op
+        module.draft_tail = tail
+        if isinstance(getattr(module, "lora_a", None), torch.Tensor):  # the lean adapter's factors
+            module.lora_a16 = module.lora_a.to(torch.bfloat16)
+            module.lora_b16 = module.lora_b.to(torch.bfloat16)
+
+
+def draft_dtype_of(model: nn.Module) -> torch.dtype | None:
+    """The dtype :func:`enable` gave ``model``'s draft rows (``torch.bfloat16``), ``None`` if it gave none."""
+    return torch.bfloat16 if any(m.__dict__.get("draft_op") is not None for m in model.modules()) else None
 
 
 def _use_row_attention(model: nn.Module, dtypes: set[torch.dtype]) -> None:
@@ -344,7 +403,8 @@ def disable(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear
-        for name in ("choices", "few_row_op", "plan_dtype", "_packed", "_packed_version"):
+        for name in ("choices", "few_row_op", "plan_dtype", "_packed", "_packed_version", "draft_op", "draft_tail",
+                     "lora_a16", "lora_b16"):
             module.__dict__.pop(name, None)
     before = model.__dict__.pop("_hf_tidar_attention_before", None)
     if before is not None:

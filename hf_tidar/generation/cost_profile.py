@@ -180,7 +180,7 @@ def measure_layout_costs(model, plans, cache_len: int = PROFILE_CACHE_LEN, repea
         ids, mask, positions, rows = inputs[plan]
         hidden = model.structured_hidden_states(ids, None, cache, mask=mask, position_ids=positions,
                                                 mask_tail_start=plan.draft_len if plan.groups else None)
-        model.vocab_logits(hidden[:, rows])
+        model.vocab_logits(hidden[:, rows], draft_rows_from=plan.draft_len if plan.groups else None)
 
     return _interleaved_medians(plans, forward, cache, cache_len, device, repeats, on_round)
 
@@ -318,10 +318,12 @@ def profile_key(model) -> str:
     digest = hashlib.sha256(config.encode()).hexdigest()[:16]
     attn = model.config.get_text_config()._attn_implementation
     from ..cpu import is_enabled  # the measured linear path changes every cost
-    from ..cpu.linear import machine_key
+    from ..cpu.linear import draft_dtype_of, machine_key
 
     # On that path the costs also follow the CPU and the kernel's build: a rebuilt kernel is timed afresh.
     linears = f"-measured-{machine_key()}" if is_enabled(model) else ""
+    if draft_dtype_of(model) is not None:  # drafts in bfloat16 make passes cheaper than float32 ones
+        linears += "-drafts-bf16"
     return (f"v{PROFILE_VERSION}-{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
             f"-t{torch.get_num_threads()}{linears}")
 

@@ -241,7 +241,7 @@ class TidarDecoder:
         rows = [prompt_len - 1, *range(prompt_len + 1, prompt_len + k)]
         if self.mixed:  # the group's first slot predicts the first token from the prompt: the diffusion term
             rows.append(prompt_len)
-        logits = self.model.vocab_logits(hidden[:, rows]).float()
+        logits = self.model.vocab_logits(hidden[:, rows], draft_rows_from=1).float()
         ar_logits, slots = logits[:, 0], self.diffusion.exclude_mask(logits[:, 1:k])
         all_drafts = []
         for index, row in enumerate(self.rows):
@@ -271,7 +271,8 @@ class TidarDecoder:
         layout = self.pass_plan(drafts)
         drafts = [self._fit(d, layout.draft_len) for d in drafts]
         hidden = self._forward(drafts, state, layout)
-        logits = self.model.vocab_logits(hidden[:, self._projected_index(layout)]).float()
+        logits = self.model.vocab_logits(hidden[:, self._projected_index(layout)],
+                                         draft_rows_from=layout.draft_len if layout.groups else None).float()
         first_slots = logits[:, len(layout.projected_rows) :] if self.mixed else None
         chosen = self._choose_at_once(active, logits, layout.draft_len) if self.greedy_at_once else None
         emitted = self._verify_rows(active, drafts, logits[:, : layout.draft_len], first_slots, layout, chosen)
