@@ -74,7 +74,7 @@ def _count_draft_calls(monkeypatch) -> list[int]:
 
 
 @needs_bf16_kernel
-@pytest.mark.parametrize("draft_length,groups", [(4, None), (3, [1])])
+@pytest.mark.parametrize("draft_length,groups", [(4, None), (3, None), (3, [1])])
 def test_greedy_tidar_with_bfloat16_drafts_is_ar_token_for_token(draft_length, groups, monkeypatch):
     model = train_counting_tidar(block_size=4, steps=150).float()  # drafts largely right: many are accepted
     starts = _count_draft_calls(monkeypatch)
@@ -89,7 +89,10 @@ def test_greedy_tidar_with_bfloat16_drafts_is_ar_token_for_token(draft_length, g
                                  return_dict_in_generate=True, **settings)
             assert torch.equal(out.sequences, ar)
             assert out.sequences.shape[1] - rows.shape[1] > out.forward_passes[0] + 1  # drafts were accepted
-    assert starts and all(0 <= start <= draft_length for start in starts)  # drafts did go through bfloat16
+    if groups is None:  # k * k [MASK] rows: the drafts did go through bfloat16
+        assert starts and all(0 <= start <= draft_length for start in starts)
+    else:  # k rows, fewer than BF16_DRAFT_MIN_ROWS: float32 is faster there
+        assert not starts
 
 
 @needs_bf16_kernel
@@ -100,15 +103,16 @@ def test_a_plain_forward_finds_its_tail_and_a_mask_before_it_keeps_float32():
     cpu.enable(model, draft_dtype=torch.bfloat16)
     mask = model.config.mask_token_id
     with torch.no_grad():
-        tail = torch.tensor([[1, 2, 3, 4, mask, mask, mask]])
+        tail = torch.tensor([[1, 2, 3, 4] + [mask] * measured.BF16_DRAFT_MIN_ROWS])
         got, want = model(tail).logits, twin(tail).logits
         assert torch.equal(got[:, :4], want[:, :4]) and not torch.equal(got[:, 4:], want[:, 4:])
-        inside = torch.tensor([[1, 2, mask, 3, 4, mask, mask]])  # not a tail: no row is a draft row
+        short = tail[:, :-1]  # one [MASK] row fewer than bfloat16 takes: every row float32
+        assert torch.equal(model(short).logits, twin(short).logits)
+        inside = torch.tensor([[1, 2, mask, 3, 4] + [mask] * 9])  # not a tail: no row is a draft row
         assert torch.equal(model(inside).logits, twin(inside).logits)
-        # The LM head's rows are not the query's: a clean row picked after the masks stays float32.
-        short = torch.tensor([[1, 2, mask, mask, mask, mask, mask]])
-        picked = torch.tensor([5, 6, 0, 1])
-        assert torch.equal(model(short, logits_to_keep=picked).logits[:, 2:], twin(short).logits[:, :2])
+        # The LM head's rows are not the query's: clean rows picked after the masks stay float32.
+        picked = torch.tensor([*range(4, 12), 0, 1, 2, 3])
+        assert torch.equal(model(tail, logits_to_keep=picked).logits[:, -4:], want[:, :4])
 
 
 @needs_bf16_kernel

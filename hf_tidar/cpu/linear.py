@@ -270,12 +270,20 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, lora_a: torch.Tens
     return out.view(*x.shape[:-1], module.out_features)
 
 
+BF16_DRAFT_MIN_ROWS = 8
+"""Fewest ``[MASK]`` rows a product takes in bfloat16. Rounding the weight tile costs a pass over it; measured
+on SmolLM2 (2-core AVX-512 BF16 EPYC, ``benchmarks/adapter_cost.py --draft-dtypes float32 bfloat16``) it
+paid for 9 and 16 draft rows (k = 3 and 4 with every group: a pass 1.59x -> 1.50x and 2.03x -> 1.90x an AR
+step) and not for 2-4 (the first-group layouts: 1.22x -> 1.19x at k = 3, slower at k = 2 and 4)."""
+
+
 def _draft_rows_from(module: nn.Linear, x: torch.Tensor, rows: int) -> int | None:
     """Where ``x``'s draft rows start when ``module`` multiplies the ``[MASK]`` tail in bfloat16
-    (:func:`enable`'s ``draft_dtype``) and ``x`` is one sequence with such a tail in this forward; else ``None``."""
+    (:func:`enable`'s ``draft_dtype``) and ``x`` is one sequence with a tail of at least
+    :data:`BF16_DRAFT_MIN_ROWS` rows in this forward; else ``None``."""
     tail = module.__dict__.get("draft_tail")
     start = None if tail is None else tail.start
-    if start is None or rows != x.shape[-2] or start >= rows:  # no tail here, or a batch of sequences
+    if start is None or rows != x.shape[-2] or rows - start < BF16_DRAFT_MIN_ROWS:  # no tail, or a short one
         return None
     return start
 
@@ -323,9 +331,10 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     the kernel linears, greedy TiDAR then equals greedy AR bit for bit in bfloat16 as in float32.
 
     ``draft_dtype=torch.bfloat16`` (a float32 TiDAR model, a CPU with AVX-512 BF16): the rows of a pass's
-    ``[MASK]`` tail — drafts, which verification never trusts — are multiplied in bfloat16, clean rows as
-    before, bit for bit. Output stays exact; drafts may differ from float32 ones by rounding. Where it cannot
-    run (another CPU or dtype) a warning says so and drafts stay in the weights' dtype.
+    ``[MASK]`` tail — drafts, which verification never trusts — are multiplied in bfloat16 where the tail has
+    at least :data:`BF16_DRAFT_MIN_ROWS` rows, clean rows as before, bit for bit. Output stays exact; drafts
+    may differ from float32 ones by rounding. Where it cannot run (another CPU or dtype) a warning says so
+    and drafts stay in the weights' dtype.
     """
     plans: dict[tuple, list[Choice]] = {}
     dtypes = set()
