@@ -8,7 +8,9 @@ the first token that differs from the reference solution: where the teacher's kn
 ``--teacher-forced`` also scores every position of the reference solution from the reference prefix before
 it (the rest masked): the share of next tokens the teacher gets right in the state an AR model always
 sees. ``--model converted-ar`` measures the run's AR warm start converted to a diffusion LM, before any
-diffusion training, instead of the trained teacher: what the conversion alone keeps.
+diffusion training, instead of the trained teacher: what the conversion alone keeps. ``--model student``
+measures the distilled CDLM student, and ``--model teacher-block-causal`` the teacher under the student's
+block-causal mask before any distillation: where the student loses what the teacher knows.
 
     python benchmarks/cdlm_left_to_right.py --run runs/cdlm-long16 --problems 10 --teacher-forced
 """
@@ -54,9 +56,15 @@ def teacher_forced(teacher, question: torch.Tensor, reference: list[int], mask_i
 
 
 def load_model(run: Path, which: str):
-    """The run's trained teacher, or its AR warm start converted (Dream-style) with no diffusion training."""
+    """The run's trained teacher; the teacher under the student's block-causal mask (before distillation); the
+    distilled student; or the AR warm start converted (Dream-style) with no diffusion training."""
+    if which == "student":
+        return AutoModelForCausalLM.from_pretrained(run / "student").eval()
     teacher = AutoModelForCausalLM.from_pretrained(run / "teacher").eval()
     if which == "teacher":
+        return teacher
+    if which == "teacher-block-causal":  # the mask is read from the config at every forward
+        teacher.config.attention_mode = "block_causal"
         return teacher
     ar = AutoModelForCausalLM.from_pretrained(run / "ar")
     if ar.config.vocab_size < teacher.config.get_text_config().vocab_size:  # saved before the vocabulary grew
@@ -73,8 +81,11 @@ def main() -> None:
     parser.add_argument("--problems", type=int, default=10)
     parser.add_argument("--teacher-forced", action="store_true",
                         help="also score each reference token from the reference prefix before it")
-    parser.add_argument("--model", choices=("teacher", "converted-ar"), default="teacher",
-                        help="converted-ar: the run's AR warm start converted, before diffusion training")
+    parser.add_argument("--model", choices=("teacher", "teacher-block-causal", "student", "converted-ar"),
+                        default="teacher",
+                        help="teacher-block-causal: the teacher under the student's mask, before distillation; "
+                        "student: the distilled student; converted-ar: the run's AR warm start converted, before "
+                        "diffusion training")
     args = parser.parse_args()
     torch.set_num_threads(1)
     run_args = json.loads((args.run / "pipeline.json").read_text())["args"]

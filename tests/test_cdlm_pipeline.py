@@ -259,3 +259,20 @@ def test_left_to_right_diagnostic_converts_the_ar_warm_start_without_diffusion_t
     for name, weight in ar.model.state_dict().items():  # the AR weights, not the trained teacher's
         assert torch.equal(converted.model.state_dict()[name], weight), name
     assert not all(torch.equal(converted.model.state_dict()[n], w) for n, w in trained.model.state_dict().items())
+
+
+def test_left_to_right_diagnostic_scores_the_student_and_the_teacher_under_its_mask(run):
+    script = load_script("benchmarks/cdlm_left_to_right.py")
+    student, teacher = script.load_model(run, "student"), script.load_model(run, "teacher")
+    masked = script.load_model(run, "teacher-block-causal")
+    assert student.config.attention_mode == "block_causal" and teacher.config.attention_mode == "bidirectional"
+    assert masked.config.attention_mode == "block_causal"
+    for name, weight in teacher.state_dict().items():  # the teacher's weights, only the mask changed
+        assert torch.equal(masked.state_dict()[name], weight), name
+    ids = torch.arange(3, 3 + 2 * teacher.config.block_size + 4)[None] % teacher.config.get_text_config().vocab_size
+    prompt_len = torch.tensor([[4]])
+    with torch.no_grad():
+        a, b = teacher(input_ids=ids, prompt_len=prompt_len).logits, masked(input_ids=ids, prompt_len=prompt_len).logits
+    block = slice(4, 4 + teacher.config.block_size)
+    assert not torch.allclose(a[:, block], b[:, block])  # the first block no longer sees the blocks after it
+    torch.testing.assert_close(a[:, -4:], b[:, -4:])  # the last block sees everything under either mask
