@@ -278,6 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="uniform: mask the whole answer at one ratio; blocks: clean blocks, one partly "
                              "masked block, then fully masked ones, as block decoding sees them; blocks-l2r: "
                              "blocks, with half the rows masking a suffix of their block (left to right)")
+    parser.add_argument("--teacher-attention", choices=("bidirectional", "block_causal"), default="bidirectional",
+                        help="the mask the teacher trains (and is saved) under; block_causal: the student's mask, "
+                             "to measure what the teacher keeps when later blocks are out of view")
     parser.add_argument("--student-steps", type=int, default=600)
     parser.add_argument("--student-batch", type=int, default=32)
     parser.add_argument("--student-lr", type=float, default=1e-3)
@@ -327,6 +330,7 @@ def main(argv: list[str] | None = None) -> dict:
         teacher = teacher_from_ar(ar_model, tokenizer, args.block_size)
     else:
         teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers, max_positions)
+    teacher.config.attention_mode = args.teacher_attention  # read at every forward: training and saving
     start = time.time()
     teacher_losses = train_from_scratch(
         teacher, DLM_LOSSES[args.teacher_masking], tokenizer, problems, args.gen_len, args.teacher_steps,

@@ -276,3 +276,15 @@ def test_left_to_right_diagnostic_scores_the_student_and_the_teacher_under_its_m
     block = slice(4, 4 + teacher.config.block_size)
     assert not torch.allclose(a[:, block], b[:, block])  # the first block no longer sees the blocks after it
     torch.testing.assert_close(a[:, -4:], b[:, -4:])  # the last block sees everything under either mask
+
+
+def test_the_teacher_can_train_under_the_students_block_causal_mask(tmp_path):
+    example = load_script("examples/cdlm_arithmetic.py")
+    summary = example.main([
+        "--out", str(tmp_path), "--train-problems", "200", "--trajectory-prompts", "4", "--hidden", "32",
+        "--layers", "1", "--ar-steps", "2", "--teacher-steps", "2", "--teacher-batch", "4", "--student-steps", "1",
+        "--student-batch", "4", "--lora-rank", "4", "--teacher-attention", "block_causal",
+    ])
+    assert summary["args"]["teacher_attention"] == "block_causal"
+    teacher = CdlmForCausalLM.from_pretrained(tmp_path / "teacher")
+    assert teacher.config.attention_mode == "block_causal"
