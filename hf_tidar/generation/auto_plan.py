@@ -39,6 +39,7 @@ from .cost_profile import (
     profile_key,
 )
 from .draft_plan import DraftPlan, verification_plan
+from .drafters import PRIOR_ACCEPTED, PRIOR_PASSES
 
 REPLAN_EVERY = 8  # passes between layout choices
 
@@ -71,7 +72,7 @@ class LookupStats:
     lookup_tokens: int = 0
     passes: int = 0  # every pass of those decodes, lookup or diffusion
 
-    PRIOR_TOKENS = 2.0  # the verifier's token and one accepted draft, as the source chooser's prior
+    PRIOR_TOKENS = 1.0 + PRIOR_ACCEPTED["prompt_lookup"]  # the verifier's token and the chooser's prior drafts
 
     def count_pass(self, lookup: bool) -> None:
         """One pass of a decode that may draft by lookup (``lookup``: its drafts came from prompt lookup)."""
@@ -90,7 +91,7 @@ class LookupStats:
     @property
     def tokens_per_pass(self) -> float:
         """Smoothed tokens a lookup pass emits."""
-        return (self.lookup_tokens + 2 * self.PRIOR_TOKENS) / (self.lookup_passes + 2)
+        return (self.lookup_tokens + PRIOR_PASSES * self.PRIOR_TOKENS) / (self.lookup_passes + PRIOR_PASSES)
 
 
 @dataclass(frozen=True)

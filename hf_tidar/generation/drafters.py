@@ -58,6 +58,13 @@ class NgramIndex:
         return []
 
 
+PRIOR_ACCEPTED = {"diffusion": 0.5, "prompt_lookup": 1.0}
+"""Drafts each source is assumed to get accepted per pass before any is seen (so that each gets tried)."""
+
+PRIOR_PASSES = 2.0
+"""How many passes that assumption weighs against the ones observed."""
+
+
 class SourceChooser:
     """Running mean of accepted drafts per source, with a prior that lets each be tried.
 
@@ -67,19 +74,17 @@ class SourceChooser:
     with its mask groups, so a lookup that is right a little less often can still be the faster choice.
     """
 
-    PRIOR_PASSES = 2.0
-
     def __init__(self, priors: dict[str, float] | None = None,
                  pass_cost: Callable[[str], float] | None = None):
-        self.priors = priors or {"diffusion": 0.5, "prompt_lookup": 1.0}
+        self.priors = priors or dict(PRIOR_ACCEPTED)
         self.accepted = {source: 0.0 for source in self.priors}
         self.passes = {source: 0 for source in self.priors}
         self.pass_cost = pass_cost
 
     def expected(self, source: str) -> float:
         """Expected drafts accepted per pass (beyond the verifier's own first token)."""
-        prior = self.priors[source] * self.PRIOR_PASSES
-        return (self.accepted[source] + prior) / (self.passes[source] + self.PRIOR_PASSES)
+        prior = self.priors[source] * PRIOR_PASSES
+        return (self.accepted[source] + prior) / (self.passes[source] + PRIOR_PASSES)
 
     def rate(self, source: str) -> float:
         """Expected tokens per pass (the verifier's own plus accepted drafts), per second when costs are known."""
