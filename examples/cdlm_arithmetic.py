@@ -17,6 +17,7 @@ start (tried: 15 minutes of diffusion training alone learned the solution format
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import random
@@ -223,9 +224,14 @@ def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problem
     return accuracy["answer_accuracy"]
 
 
-def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_size: int, lr: float, rank: int):
-    """Distil the block-causal student with ``CdlmTrainer``; returns the merged student and the log."""
-    student = lora_student(teacher, rank=rank, alpha=2 * rank)
+def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_size: int, lr: float, rank: int,
+           start_from=None):
+    """Distil the block-causal student with ``CdlmTrainer``; returns the merged student and the log.
+
+    The student starts from the teacher's weights, or from ``start_from`` (a diffusion LM of the same shape,
+    such as the teacher trained further under the block-causal mask); the targets are the teacher's either way.
+    """
+    student = lora_student(teacher if start_from is None else start_from, rank=rank, alpha=2 * rank)
     args = TrainingArguments(
         output_dir=str(out_dir / "trainer"),
         max_steps=steps,
@@ -241,7 +247,8 @@ def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_si
         dataloader_num_workers=0,
     )
     collator = CdlmCollator(tokenizer.mask_token_id, teacher.config.block_size, tokenizer.pad_token_id)
-    trainer = CdlmTrainer(model=student, args=args, train_dataset=trajectories, data_collator=collator)
+    trainer = CdlmTrainer(model=student, args=args, train_dataset=trajectories, data_collator=collator,
+                          teacher_head=copy.deepcopy(teacher.get_output_embeddings()))
     trainer.train()
     merged = student.merge_and_unload()
     return merged, trainer.state.log_history
@@ -281,6 +288,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--teacher-attention", choices=("bidirectional", "block_causal"), default="bidirectional",
                         help="the mask the teacher trains (and is saved) under; block_causal: the student's mask, "
                              "to measure what the teacher keeps when later blocks are out of view")
+    parser.add_argument("--student-from", type=Path, default=None,
+                        help="start the student from this diffusion LM (e.g. a --teacher-attention block_causal "
+                             "run's teacher) instead of the teacher; it still learns the teacher's trajectories")
     parser.add_argument("--student-steps", type=int, default=600)
     parser.add_argument("--student-batch", type=int, default=32)
     parser.add_argument("--student-lr", type=float, default=1e-3)
@@ -350,7 +360,7 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.time()
     student, log = distil(
         teacher, tokenizer, trajectories, args.out, args.student_steps, args.student_batch, args.student_lr,
-        args.lora_rank,
+        args.lora_rank, None if args.student_from is None else CdlmForCausalLM.from_pretrained(args.student_from),
     )
     student.generation_config = teacher.generation_config
     student.save_pretrained(args.out / "student")

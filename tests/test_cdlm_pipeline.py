@@ -288,3 +288,14 @@ def test_the_teacher_can_train_under_the_students_block_causal_mask(tmp_path):
     assert summary["args"]["teacher_attention"] == "block_causal"
     teacher = CdlmForCausalLM.from_pretrained(tmp_path / "teacher")
     assert teacher.config.attention_mode == "block_causal"
+    # A student that starts from that model (learning rate 0: its weights, unchanged) instead of the teacher.
+    example.main([
+        "--out", str(tmp_path / "student-from"), "--train-problems", "200", "--trajectory-prompts", "4",
+        "--hidden", "32", "--layers", "1", "--ar-steps", "2", "--teacher-steps", "2", "--teacher-batch", "4",
+        "--student-steps", "1", "--student-batch", "4", "--lora-rank", "4", "--student-lr", "0",
+        "--student-from", str(tmp_path / "teacher"),
+    ])
+    student = CdlmForCausalLM.from_pretrained(tmp_path / "student-from" / "student")
+    other = CdlmForCausalLM.from_pretrained(tmp_path / "student-from" / "teacher")
+    assert torch.equal(student.lm_head.weight, teacher.lm_head.weight)
+    assert not torch.equal(student.lm_head.weight, other.lm_head.weight)
