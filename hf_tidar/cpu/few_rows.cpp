@@ -429,6 +429,29 @@ void check_matrix(const at::Tensor& t, const char* name, at::ScalarType dtype) {
               ")");
 }
 
+// bias's data, checked to be N elements of `dtype` (nullptr without a bias). `op` names the operator in errors.
+template <class T>
+const T* checked_bias(const std::optional<at::Tensor>& bias, at::ScalarType dtype, int64_t N, const char* op) {
+  if (!bias.has_value()) return nullptr;
+  check_matrix(*bias, "bias", dtype);
+  TORCH_CHECK(bias->numel() == N, op, ": bias must have N elements");
+  return bias->data_ptr<T>();
+}
+
+// The LoRA rank R, with lora_a checked to be [R, K] and lora_b [N, R] of `dtype` (0 without lora_a).
+int64_t checked_lora_rank(const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                          at::ScalarType dtype, int64_t K, int64_t N, const char* op) {
+  if (!lora_a.has_value()) return 0;
+  TORCH_CHECK(lora_b.has_value(), op, ": lora_a needs lora_b");
+  check_matrix(*lora_a, "lora_a", dtype);
+  check_matrix(*lora_b, "lora_b", dtype);
+  const int64_t R = lora_a->size(0);
+  TORCH_CHECK(lora_a->dim() == 2 && lora_a->size(1) == K && lora_b->dim() == 2 && lora_b->size(0) == N &&
+                  lora_b->size(1) == R,
+              op, ": lora_a must be [R, K] and lora_b [N, R]");
+  return R;
+}
+
 template <class V>
 at::Tensor linear_with_tail(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
@@ -437,24 +460,12 @@ at::Tensor linear_with_tail(const at::Tensor& x, const at::Tensor& weight, const
   const auto dtype = x.scalar_type();
   check_matrix(weight, "weight", dtype);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const T* bias_data = nullptr;
-  if (bias.has_value()) {
-    check_matrix(*bias, "bias", dtype);
-    TORCH_CHECK(bias->numel() == N, "few_row_linear: bias must have N elements");
-    bias_data = bias->data_ptr<T>();
-  }
+  const T* bias_data = checked_bias<T>(bias, dtype, N, "few_row_linear");
   const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
   std::vector<float> z;
   const T* b_data = nullptr;
-  int64_t R = 0;
-  if (lora_a.has_value() && tail < M) {
-    TORCH_CHECK(lora_b.has_value(), "few_row_linear: lora_a needs lora_b");
-    check_matrix(*lora_a, "lora_a", dtype);
-    check_matrix(*lora_b, "lora_b", dtype);
-    R = lora_a->size(0);
-    TORCH_CHECK(lora_a->dim() == 2 && lora_a->size(1) == K && lora_b->dim() == 2 && lora_b->size(0) == N &&
-                    lora_b->size(1) == R,
-                "few_row_linear: lora_a must be [R, K] and lora_b [N, R]");
+  const int64_t R = tail < M ? checked_lora_rank(lora_a, lora_b, dtype, K, N, "few_row_linear") : 0;
+  if (R > 0) {
     z.resize((M - tail) * R);  // the tail rows' low-rank codes x @ lora_aᵀ, in float32
     rows_times_weight<V, false, float, T>(x.data_ptr<T>() + tail * K, M - tail, K, lora_a->data_ptr<T>(), R, z.data(),
                                 nullptr, nullptr, nullptr, 0, M - tail, /*parallel=*/false);
@@ -478,27 +489,16 @@ at::Tensor few_row_linear_bf16_tail(const at::Tensor& x, const at::Tensor& weigh
   check_matrix(x, "x", at::kFloat);
   check_matrix(weight, "weight", at::kFloat);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    check_matrix(*bias, "bias", at::kFloat);
-    TORCH_CHECK(bias->numel() == N, "few_row_linear_bf16_tail: bias must have N elements");
-    bias_data = bias->data_ptr<float>();
-  }
+  const char* op = "few_row_linear_bf16_tail";
+  const float* bias_data = checked_bias<float>(bias, at::kFloat, N, op);
   const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
   const float* xs = x.data_ptr<float>();
   std::vector<bf16> x16((M - tail) * K);
   for (int64_t i = 0; i < (M - tail) * K; ++i) x16[i] = bf16(xs[tail * K + i]);
   std::vector<float> z;
   const bf16* b_data = nullptr;
-  int64_t R = 0;
-  if (lora_a.has_value() && tail < M) {
-    TORCH_CHECK(lora_b.has_value(), "few_row_linear_bf16_tail: lora_a needs lora_b");
-    check_matrix(*lora_a, "lora_a", at::kBFloat16);
-    check_matrix(*lora_b, "lora_b", at::kBFloat16);
-    R = lora_a->size(0);
-    TORCH_CHECK(lora_a->dim() == 2 && lora_a->size(1) == K && lora_b->dim() == 2 && lora_b->size(0) == N &&
-                    lora_b->size(1) == R,
-                "few_row_linear_bf16_tail: lora_a must be [R, K] and lora_b [N, R]");
+  const int64_t R = tail < M ? checked_lora_rank(lora_a, lora_b, at::kBFloat16, K, N, op) : 0;
+  if (R > 0) {
     z.resize((M - tail) * R);
     rows_times_weight<Avx512Bf16, false, float, bf16>(x16.data(), M - tail, K, lora_a->data_ptr<bf16>(), R, z.data(),
                                                       nullptr, nullptr, nullptr, 0, M - tail, /*parallel=*/false);
