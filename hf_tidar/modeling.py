@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoModel, GenerationMixin, PreTrainedModel
+from transformers import AutoModel, DynamicCache, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ._quiet import drop_log_records
@@ -271,13 +271,20 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         seq_len = input_ids.shape[1]
 
         layout = tidar_training_layout(attention_mask, self.config.block_size)
-        doubled = torch.cat([input_ids, torch.full_like(input_ids, mask_id)], dim=1)
-        hidden = self.structured_hidden_states(doubled, layout, cache=None, **kwargs)
+        mask, positions = self.rendered_layout(layout)
+        first = self._first_mask_query(labels, valid) if self._clean_half_is_frozen() else None
+        if first is not None and isinstance(mask, torch.Tensor):  # a dense mask: its rows and columns slice
+            clean_hidden, mask_hidden = self._frozen_clean_then_masks(input_ids, mask, positions, first, **kwargs)
+        else:
+            doubled = torch.cat([input_ids, torch.full_like(input_ids, mask_id)], dim=1)
+            hidden = self.structured_hidden_states(doubled, None, mask=mask, position_ids=positions, **kwargs)
+            clean_hidden, mask_hidden, first = hidden[:, :seq_len], hidden[:, seq_len:], 0
+        labels_from_first = labels[:, first:]
         alpha = self.config.ar_loss_weight
         # Clean token i predicts x_{i+1}; a padding query predicts nothing (it only sees itself).
         ar_targets = labels[:, 1:].masked_fill(~valid[:, :-1], IGNORE_INDEX)
         if alpha > 0:
-            logits = self.vocab_logits(hidden)
+            logits = self.vocab_logits(torch.cat([clean_hidden, mask_hidden], dim=1))
             ar_logits, diffusion_logits = logits[:, :seq_len], logits[:, seq_len:]
             ar_loss = mean_cross_entropy(ar_logits[:, :-1], ar_targets)
         else:
@@ -285,20 +292,25 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             # gets no autograd graph, and the full logits are not kept while training.
             # The soft loss projects only the target positions (below); the full mask logits are then
             # needed only when they are returned (evaluation).
-            skip_full = bool(soft) and torch.is_grad_enabled()
-            diffusion_logits = None if skip_full else self.vocab_logits(hidden[:, seq_len:])
+            training = torch.is_grad_enabled()
+            skip_full = bool(soft) and training
+            diffusion_logits = None if skip_full else self.vocab_logits(mask_hidden)
             with torch.no_grad():
-                ar_logits = self.vocab_logits(hidden[:, :seq_len])
-                ar_loss = mean_cross_entropy(ar_logits[:, :-1], ar_targets)
-            logits = None if torch.is_grad_enabled() else torch.cat([ar_logits, diffusion_logits], dim=1)
+                if training:  # logged only: project just the positions that have a target (the prompt has none)
+                    scored = ar_targets != IGNORE_INDEX
+                    ar_loss = mean_cross_entropy(self.vocab_logits(clean_hidden[:, :-1][scored]), ar_targets[scored])
+                else:
+                    ar_logits = self.vocab_logits(clean_hidden)
+                    ar_loss = mean_cross_entropy(ar_logits[:, :-1], ar_targets)
+            logits = None if training else torch.cat([ar_logits, diffusion_logits], dim=1)
         extra_logs = {}
         if soft:
-            parts = self._soft_diffusion_loss(hidden[:, seq_len:], labels, valid, soft)
+            parts = self._soft_diffusion_loss(mask_hidden, labels, valid, soft, first)
             diffusion_loss = parts.loss
             extra_logs = {"diffusion_ce": parts.ce,
                           **{f"draft_acc_slot{r}": acc for r, acc in enumerate(parts.slot_accuracy)}}
         else:
-            diffusion_loss = mean_cross_entropy(diffusion_logits, labels)  # mask token i predicts x_i
+            diffusion_loss = mean_cross_entropy(diffusion_logits, labels_from_first)  # mask token i predicts x_i
         loss = (alpha * ar_loss + diffusion_loss) / (1 + alpha)
         if self.training:
             self.loss_tracker.add(ar_loss=ar_loss.detach(), diffusion_loss=diffusion_loss.detach(), **extra_logs)
@@ -307,17 +319,74 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         )
 
     def _soft_diffusion_loss(self, mask_hidden: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
-                             soft: dict[str, torch.Tensor]):
+                             soft: dict[str, torch.Tensor], first: int = 0):
         """:func:`~hf_tidar.losses.soft_diffusion_loss` over the target positions of the mask half.
 
-        The LM head runs on those positions only (prompt positions carry no loss).
+        ``mask_hidden`` holds the mask queries from sequence index ``first`` on. The LM head runs on the
+        target positions only (prompt positions carry no loss).
         """
-        targets = labels != IGNORE_INDEX
         slots = positions_from_padding(valid) % self.config.block_size  # block = position // block_size
+        labels, slots = labels[:, first:], slots[:, first:]
+        targets = labels != IGNORE_INDEX
         return soft_diffusion_loss(
             self.vocab_logits(mask_hidden[targets]), labels[targets], slots[targets],
-            soft[TEACHER_IDS][targets], soft[TEACHER_LOGPROBS][targets], soft[SLOT_WEIGHTS],
+            soft[TEACHER_IDS][:, first:][targets], soft[TEACHER_LOGPROBS][:, first:][targets], soft[SLOT_WEIGHTS],
         )
+
+    # -- the training forward in two calls, when the clean half is frozen ---------------------------
+
+    def _clean_half_is_frozen(self) -> bool:
+        """Whether no trainable parameter can change the clean half of the training forward.
+
+        True for a gated LoRA trained with ``ar_loss_weight = 0`` under autograd: its gate keeps every
+        LoRA delta off clean tokens, and clean tokens never attend to masks, so the clean half is the base
+        model's whatever the adapter's weights. Its keys and values are then constants of the loss, and
+        the forward can compute them without autograd (:meth:`_frozen_clean_then_masks`).
+        """
+        gate = getattr(self, "_tidar_mask_gate", None)
+        if not torch.is_grad_enabled() or self.config.ar_loss_weight > 0 or gate is None or not gate.handles:
+            return False
+        trainable = [name for name, p in self.named_parameters() if p.requires_grad]
+        return bool(trainable) and all(".lora_" in name for name in trainable)
+
+    def _first_mask_query(self, labels: torch.Tensor, valid: torch.Tensor) -> int | None:
+        """The first sequence index whose mask query the loss can depend on (``None``: no target at all).
+
+        That is the earliest start, over the batch, of the block holding a row's first target: every
+        target's whole block lies at or after it in every row. Mask queries before it carry no loss and
+        are keys only to masks of their own block, so they are left out of the forward.
+        """
+        targets = labels != IGNORE_INDEX
+        has_target = targets.any(-1)
+        if not bool(has_target.any()):
+            return None
+        first_target = targets.long().argmax(-1)
+        slot = positions_from_padding(valid).gather(-1, first_target[:, None])[:, 0] % self.config.block_size
+        return int((first_target - slot)[has_target].min())
+
+    def _frozen_clean_then_masks(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                                 first: int, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """The training forward's hidden states as two calls: the clean half without autograd (its keys
+        and values kept in a cache), then the mask queries from ``first`` on against that cache.
+
+        Both calls take their rows and columns of the one rendered training ``mask`` (with its query
+        ``positions``), so each query sees
+        exactly the keys it sees in the single call. Mask queries before ``first`` are dropped, and with
+        them their keys (no query kept sees them: see :meth:`_first_mask_query`). Returns the clean
+        half's hidden states and those of the mask queries ``first ..``.
+        """
+        seq_len = input_ids.shape[1]
+        cache = DynamicCache(config=self.config.get_text_config())
+        with torch.no_grad():
+            clean = self.structured_hidden_states(
+                input_ids, None, cache, mask=mask[:, :, :seq_len, :seq_len], position_ids=positions[:, :seq_len],
+                **kwargs)
+        kept_keys = torch.cat([mask[:, :, seq_len + first :, :seq_len], mask[:, :, seq_len + first :, seq_len + first :]],
+                              dim=-1)
+        masks = torch.full_like(input_ids[:, first:], self.require_mask_token_id())
+        mask_hidden = self.structured_hidden_states(
+            masks, None, cache, mask=kept_keys, position_ids=positions[:, seq_len + first :], **kwargs)
+        return clean, mask_hidden
 
     def rendered_layout(self, layout: AttentionLayout) -> tuple[object, torch.Tensor]:
         """``layout``'s mask in the backbone's attention format, and its query position ids: what
