@@ -17,6 +17,11 @@ decides whether a pass gains anything, slot ``r`` counts only when slots ``1 .. 
 :func:`decaying_slot_weights` therefore puts weight 1 on slot 1, ``decay ** (r - 1)`` on slot ``r``, and
 a small auxiliary weight on slot 0. Positions without stored targets (packed text in a mixed batch) get
 the CE term only, with the same slot weight.
+
+Which blocks matter: a pass drafts from the group that starts at the token the verifier commits, and after
+a rejection that token is one the drafts got wrong, so decoding drafts mostly in blocks whose slot 0 the
+drafter gets wrong, where slot 1 is right far less often. ``position_weights`` (see
+:func:`hard_block_weights`) can weigh the draft slots of those blocks up.
 """
 
 from __future__ import annotations
@@ -30,7 +35,8 @@ IGNORE_INDEX = -100
 TEACHER_IDS = "teacher_topk_ids"
 TEACHER_LOGPROBS = "teacher_topk_logprobs"
 SLOT_WEIGHTS = "diffusion_slot_weights"
-SOFT_LOSS_KEYS = (TEACHER_IDS, TEACHER_LOGPROBS, SLOT_WEIGHTS)
+HARD_BLOCK_WEIGHT = "diffusion_hard_block_weight"
+SOFT_LOSS_KEYS = (TEACHER_IDS, TEACHER_LOGPROBS, SLOT_WEIGHTS, HARD_BLOCK_WEIGHT)
 """Batch keys of the soft loss; a batch holding them makes the TiDAR training forward use it."""
 
 
@@ -65,6 +71,7 @@ def soft_diffusion_loss(
     teacher_logprobs: torch.Tensor,
     slot_weights: torch.Tensor,
     ce_weight: float = 1.0,
+    position_weights: torch.Tensor | None = None,
 ) -> SoftLossParts:
     """Slot-weighted mean of ``KL(teacher top-k || draft) + ce_weight * CE`` over the target positions.
 
@@ -75,6 +82,7 @@ def soft_diffusion_loss(
         teacher_ids: ``[n, k]`` stored top-k ids; a row of ``-1`` means "no teacher here" (CE only).
         teacher_logprobs: ``[n, k]`` their log-probabilities (any scale: they are renormalised).
         slot_weights: ``[block_size]`` weight per slot.
+        position_weights: ``[n]`` factors on top of the slot weights (``None``: all 1).
     """
     block = slot_weights.shape[0]
     if labels.numel() == 0:  # zero, but keeping the graph: every process must backward through the adapter
@@ -87,6 +95,8 @@ def soft_diffusion_loss(
     log_q_at_p = log_q.gather(-1, teacher_ids.clamp(min=0).long())
     kl = (log_p.exp() * (log_p - log_q_at_p)).sum(-1) * has_teacher
     weights = slot_weights.to(logits.device, torch.float32)[slots]
+    if position_weights is not None:
+        weights = weights * position_weights.to(weights)
     loss = ((kl + ce_weight * ce) * weights).sum() / weights.sum()
     with torch.no_grad():
         hits = (log_q.argmax(-1) == labels).float()
@@ -104,3 +114,25 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     if not (targets != IGNORE_INDEX).any():
         return logits.sum() * 0.0
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
+
+
+def hard_block_weights(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, block_start: torch.Tensor,
+                       weight: float) -> torch.Tensor:
+    """``[n]`` factors: ``weight`` on the draft slots (``>= 1``) of blocks whose slot-0 draft is wrong, else 1.
+
+    Args:
+        logits, labels, slots: as for :func:`soft_diffusion_loss` (target positions only).
+        block_start: ``[n]`` an id of each position's block; a block's slot 0 is the position with
+            ``slots == 0`` and the same id. Blocks whose slot 0 is not a target keep factor 1.
+        weight: the factor of the hard blocks' draft slots.
+    """
+    with torch.no_grad():
+        wrong = logits.argmax(-1) != labels
+        first = slots == 0
+        # Map every block id to its slot 0's verdict: sort the slot-0 ids, then search each position's id.
+        ids, order = block_start[first].sort()
+        verdicts = wrong[first][order]
+        found = torch.searchsorted(ids, block_start).clamp_max(max(len(ids) - 1, 0))
+        has_first = (ids[found] == block_start) if len(ids) else torch.zeros_like(first)
+        hard = has_first & verdicts[found] & ~first if len(ids) else has_first
+        return torch.where(hard, torch.tensor(float(weight), device=logits.device), torch.ones((), device=logits.device))

@@ -23,11 +23,13 @@ from .backbones import check_dense_weights, load_causal_lm
 from .configuration import TidarConfig, check_backbone_type
 from .generation.mixin import StrategyGenerationMixin
 from .losses import (
+    HARD_BLOCK_WEIGHT,
     IGNORE_INDEX,
     SLOT_WEIGHTS,
     SOFT_LOSS_KEYS,
     TEACHER_IDS,
     TEACHER_LOGPROBS,
+    hard_block_weights,
     mean_cross_entropy,
     soft_diffusion_loss,
 )
@@ -328,9 +330,18 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         slots = positions_from_padding(valid) % self.config.block_size  # block = position // block_size
         labels, slots = labels[:, first:], slots[:, first:]
         targets = labels != IGNORE_INDEX
+        logits = self.vocab_logits(mask_hidden[targets])
+        hard_weight = float(soft.get(HARD_BLOCK_WEIGHT, 1.0))
+        position_weights = None
+        if hard_weight != 1.0:  # a block's id: its row and the index of its slot 0 (tokens are contiguous)
+            index = torch.arange(labels.shape[1], device=labels.device)
+            block_id = torch.arange(labels.shape[0], device=labels.device)[:, None] * (labels.shape[1] + 1) + (
+                index - slots + self.config.block_size)
+            position_weights = hard_block_weights(logits, labels[targets], slots[targets], block_id[targets], hard_weight)
         return soft_diffusion_loss(
-            self.vocab_logits(mask_hidden[targets]), labels[targets], slots[targets],
+            logits, labels[targets], slots[targets],
             soft[TEACHER_IDS][:, first:][targets], soft[TEACHER_LOGPROBS][:, first:][targets], soft[SLOT_WEIGHTS],
+            position_weights=position_weights,
         )
 
     # -- the training forward in two calls, when the clean half is frozen ---------------------------

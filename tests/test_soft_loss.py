@@ -7,7 +7,14 @@ import pytest
 import torch
 from toy import counting_batch, tiny_ar_model
 
-from hf_tidar.losses import SLOT_WEIGHTS, TEACHER_IDS, TEACHER_LOGPROBS, decaying_slot_weights, soft_diffusion_loss
+from hf_tidar.losses import (
+    SLOT_WEIGHTS,
+    TEACHER_IDS,
+    TEACHER_LOGPROBS,
+    decaying_slot_weights,
+    hard_block_weights,
+    soft_diffusion_loss,
+)
 from hf_tidar.training.collate import SoftTargetCollator, pad_teacher_targets
 from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
 
@@ -192,3 +199,46 @@ def test_sequential_training_resumes_exactly_on_a_dataset_that_grew(tmp_path, ca
     resumed = run("--distilled", str(growing), "--resume", "auto", "--output", str(tmp_path / "b"))
     assert resumed["steps"] == 6
     assert resumed["diffusion_losses"] == pytest.approx(straight["diffusion_losses"], rel=1e-5)
+
+
+def test_hard_block_weights_pick_the_draft_slots_of_blocks_whose_slot0_is_wrong():
+    # Blocks 10 (slot 0 right), 20 (slot 0 wrong) and 30 (its slot 0 is not a target, e.g. in the prompt).
+    labels = torch.tensor([1, 2, 3, 1, 2, 3, 2, 3])
+    predicted = torch.tensor([1, 0, 3, 0, 2, 0, 2, 3])
+    logits = torch.nn.functional.one_hot(predicted, 4).float()
+    slots = torch.tensor([0, 1, 2, 0, 1, 2, 1, 2])
+    blocks = torch.tensor([10, 10, 10, 20, 20, 20, 30, 30])
+    weights = hard_block_weights(logits, labels, slots, blocks, 3.0)
+    assert weights.tolist() == [1, 1, 1, 1, 3, 3, 1, 1]  # slot 0 itself keeps 1
+
+
+def test_model_soft_loss_with_hard_blocks_weighs_them_up(monkeypatch):
+    model = _gated_model()
+    with torch.no_grad():  # random adapter outputs, so that some slot-0 drafts are wrong and some right
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_embedding_B" in name:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(3))
+    ids = counting_batch(2, 14, VOCAB, torch.Generator().manual_seed(0))
+    rows = _soft_batch(ids, prompt=3)
+    weights = decaying_slot_weights(BLOCK, 0.5)
+    plain = SoftTargetCollator(_Tokenizer(), weights)(rows)
+    hard = SoftTargetCollator(_Tokenizer(), weights, hard_block_weight=4.0)(rows)
+    with torch.no_grad():
+        model.eval()
+        full = model(**plain)
+        seq_len = plain["input_ids"].shape[1]
+        targets = plain["labels"] != -100
+        slots = (plain["attention_mask"].cumsum(-1) - 1) % BLOCK
+        logits = full.logits[:, seq_len:]
+        wrong0 = logits.argmax(-1) != plain["input_ids"]
+        block_start = torch.arange(seq_len) - slots
+        expected_factor = torch.where((slots > 0) & wrong0.gather(1, block_start) & targets.gather(1, block_start),
+                                      4.0, 1.0)[targets]
+        assert 0 < (expected_factor > 1).sum() < (slots[targets] > 0).sum()  # the weights really differ
+        reference = soft_diffusion_loss(logits[targets], plain["labels"][targets], slots[targets],
+                                        plain[TEACHER_IDS][targets], plain[TEACHER_LOGPROBS][targets], weights,
+                                        position_weights=expected_factor)
+        torch.testing.assert_close(model(**hard).loss, reference.loss, rtol=1e-5, atol=1e-6)
+        assert not torch.isclose(full.loss, reference.loss)
+    with pytest.raises(ValueError, match="hard-block weight"):
+        SoftTargetCollator(_Tokenizer(), weights, hard_block_weight=0.0)

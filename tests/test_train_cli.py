@@ -70,6 +70,8 @@ def test_gated_lora_training_is_lossless_and_resume_checks_the_method(tmp_path, 
         main([*SMALL, "--method", "full", "--max-steps", "6", "--resume", "auto", "--output", str(out)])
     with pytest.raises(ValueError, match="--alpha has no effect"):
         main([*SMALL, "--method", "lora", "--alpha", "0.5", "--output", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="--hard-block-weight reweighs the soft loss only"):
+        main([*SMALL, "--method", "lora", "--hard-block-weight", "3", "--output", str(tmp_path / "y")])
 
 
 def test_cli_reports_bad_block_size(tmp_path, capsys):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import DataCollatorForSeq2Seq
 
-from ..losses import SLOT_WEIGHTS, TEACHER_IDS, TEACHER_LOGPROBS
+from ..losses import HARD_BLOCK_WEIGHT, SLOT_WEIGHTS, TEACHER_IDS, TEACHER_LOGPROBS
 
 TOPK_IDS, TOPK_LOGPROBS = "topk_ids", "topk_logprobs"
 """Dataset columns written by ``distill --top-k``."""
@@ -17,16 +17,21 @@ class SoftTargetCollator:
     Rows without stored targets (packed text) get ``-1`` ids: the loss uses only their CE term.
     """
 
-    def __init__(self, tokenizer, slot_weights: torch.Tensor):
+    def __init__(self, tokenizer, slot_weights: torch.Tensor, hard_block_weight: float = 1.0):
         self.pad = DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
         self.left = tokenizer.padding_side == "left"
         self.slot_weights = slot_weights
+        if hard_block_weight <= 0:
+            raise ValueError(f"the hard-block weight must be > 0, got {hard_block_weight}.")
+        self.hard_block_weight = hard_block_weight
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         plain = [{k: v for k, v in row.items() if k not in (TOPK_IDS, TOPK_LOGPROBS)} for row in rows]
         batch = self.pad(plain)
         batch[TEACHER_IDS], batch[TEACHER_LOGPROBS] = pad_teacher_targets(rows, batch["input_ids"].shape[1], self.left)
         batch[SLOT_WEIGHTS] = self.slot_weights
+        if self.hard_block_weight != 1.0:
+            batch[HARD_BLOCK_WEIGHT] = torch.tensor(self.hard_block_weight)
         return batch
 
 

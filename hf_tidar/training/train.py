@@ -204,7 +204,8 @@ def build_collator(args: TidarTrainOptions, tokenizer):
         from ..losses import decaying_slot_weights
         from .collate import SoftTargetCollator
 
-        return SoftTargetCollator(tokenizer, decaying_slot_weights(args.block_size, args.slot_decay, args.slot0_weight))
+        return SoftTargetCollator(tokenizer, decaying_slot_weights(args.block_size, args.slot_decay, args.slot0_weight),
+                                  hard_block_weight=args.hard_block_weight)
     return DataCollatorForSeq2Seq(tokenizer, padding="longest", label_pad_token_id=-100)
 
 
@@ -218,6 +219,8 @@ def run_training(args: TidarTrainOptions, training_args: TidarTrainingArguments)
     output = training_args.output_dir
     if args.method == "lora" and args.alpha != 1.0:
         raise ValueError("--alpha has no effect with --method lora (only the diffusion loss trains); drop it.")
+    if args.hard_block_weight != 1.0 and args.diffusion_loss != "soft":
+        raise ValueError("--hard-block-weight reweighs the soft loss only; add --diffusion-loss soft or drop it.")
     check_output_folder(output, sources=[args.model, *args.data, *args.distilled], overwrite=args.overwrite,
                         resuming=bool(training_args.resume_from_checkpoint))
     resume = resolve_resume(args, training_args)
@@ -265,7 +268,7 @@ def build_trainer(args: TidarTrainOptions, training_args: TidarTrainingArguments
         callbacks=[
             MethodMarker({"method": args.method, "block_size": args.block_size, "alpha": args.alpha,
                           "diffusion_loss": args.diffusion_loss, "slot_decay": args.slot_decay,
-                          "slot0_weight": args.slot0_weight}),
+                          "slot0_weight": args.slot0_weight, "hard_block_weight": args.hard_block_weight}),
             CurrentIntervals(),
             *([StopAtStep(args.stop_at_step)] if args.stop_at_step else []),
         ],

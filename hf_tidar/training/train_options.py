@@ -58,6 +58,9 @@ class TidarTrainOptions:
     slot0_weight: float = field(default=0.1, metadata={
         "help": "soft loss: weight of slot 0, the verifier's own position (decoding never reads it as a draft; "
                 "default 0.1)"})
+    hard_block_weight: float = field(default=1.0, metadata={
+        "help": "soft loss: factor on the draft slots of blocks whose slot-0 draft is wrong (decoding drafts "
+                "mostly after a rejected token, i.e. in such blocks; default 1: no reweighting)"})
     init_adapter: str | None = field(default=None, metadata={
         "help": "lora: start from this gated adapter's weights (an adapter folder or a checkpoint; optimizer and "
                 "schedule start fresh). Ignored when resuming"})
