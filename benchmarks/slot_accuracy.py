@@ -26,7 +26,7 @@ from hf_tidar.checkpoints import load_smollm2
 from hf_tidar.training.gated_lora import load_tidar_adapter
 
 
-def slot_hits(model, sequence: torch.Tensor, prompt_len: int, block: int) -> dict[int, bool]:
+def slot_hits(model, sequence: torch.Tensor, prompt_len: int) -> dict[int, bool]:
     """Position -> whether its draft (mask half of the training forward) is the greedy token, continuation only."""
     labels = sequence.clone()
     labels[:, :prompt_len] = -100
@@ -58,7 +58,7 @@ def main() -> None:
     right, total = [0] * block, [0] * block
     after = {"slot 0 right": [0, 0], "slot 0 wrong": [0, 0]}
     for sequence, prompt_len in continuations:
-        hits = slot_hits(model, sequence, prompt_len, block)
+        hits = slot_hits(model, sequence, prompt_len)
         for position, hit in hits.items():
             right[position % block] += hit
             total[position % block] += 1

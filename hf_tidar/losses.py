@@ -116,23 +116,18 @@ def mean_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Ten
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX)
 
 
-def hard_block_weights(logits: torch.Tensor, labels: torch.Tensor, slots: torch.Tensor, block_start: torch.Tensor,
-                       weight: float) -> torch.Tensor:
-    """``[n]`` factors: ``weight`` on the draft slots (``>= 1``) of blocks whose slot-0 draft is wrong, else 1.
+def hard_block_weights(right: torch.Tensor, targets: torch.Tensor, slots: torch.Tensor, weight: float) -> torch.Tensor:
+    """``[batch, seq]`` factors: ``weight`` on the draft slots (``>= 1``) of blocks whose slot-0 draft is wrong, else 1.
 
     Args:
-        logits, labels, slots: as for :func:`soft_diffusion_loss` (target positions only).
-        block_start: ``[n]`` an id of each position's block; a block's slot 0 is the position with
-            ``slots == 0`` and the same id. Blocks whose slot 0 is not a target keep factor 1.
+        right: ``[batch, seq]`` whether each position's draft is its target (read at ``targets`` only).
+        targets: ``[batch, seq]`` the positions that carry a target. A block whose slot 0 does not (it lies
+            in the prompt, or before the columns given) keeps factor 1.
+        slots: ``[batch, seq]`` each position's slot in its block. A row's tokens are contiguous, so a
+            position's slot 0 sits ``slots`` columns before it.
         weight: the factor of the hard blocks' draft slots.
     """
-    with torch.no_grad():
-        wrong = logits.argmax(-1) != labels
-        first = slots == 0
-        # Map every block id to its slot 0's verdict: sort the slot-0 ids, then search each position's id.
-        ids, order = block_start[first].sort()
-        verdicts = wrong[first][order]
-        found = torch.searchsorted(ids, block_start).clamp_max(max(len(ids) - 1, 0))
-        has_first = (ids[found] == block_start) if len(ids) else torch.zeros_like(first)
-        hard = has_first & verdicts[found] & ~first if len(ids) else has_first
-        return torch.where(hard, torch.tensor(float(weight), device=logits.device), torch.ones((), device=logits.device))
+    slot0 = torch.arange(slots.shape[-1], device=slots.device) - slots
+    at_slot0 = slot0.clamp_min(0)
+    hard = (slot0 >= 0) & (slots > 0) & targets.gather(-1, at_slot0) & ~right.gather(-1, at_slot0)
+    return 1.0 + (weight - 1.0) * hard.float()

@@ -294,17 +294,17 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
             # gets no autograd graph, and the full logits are not kept while training.
             # The soft loss projects only the target positions (below); the full mask logits are then
             # needed only when they are returned (evaluation).
-            training = torch.is_grad_enabled()
-            skip_full = bool(soft) and training
+            with_grad = torch.is_grad_enabled()
+            skip_full = bool(soft) and with_grad
             diffusion_logits = None if skip_full else self.vocab_logits(mask_hidden)
             with torch.no_grad():
-                if training:  # logged only: project just the positions that have a target (the prompt has none)
+                if with_grad:  # logged only: project just the positions that have a target (the prompt has none)
                     scored = ar_targets != IGNORE_INDEX
                     ar_loss = mean_cross_entropy(self.vocab_logits(clean_hidden[:, :-1][scored]), ar_targets[scored])
                 else:
                     ar_logits = self.vocab_logits(clean_hidden)
                     ar_loss = mean_cross_entropy(ar_logits[:, :-1], ar_targets)
-            logits = None if training else torch.cat([ar_logits, diffusion_logits], dim=1)
+            logits = None if with_grad else torch.cat([ar_logits, diffusion_logits], dim=1)
         extra_logs = {}
         if soft:
             parts = self._soft_diffusion_loss(mask_hidden, labels, valid, soft, first)
@@ -333,11 +333,10 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         logits = self.vocab_logits(mask_hidden[targets])
         hard_weight = float(soft.get(HARD_BLOCK_WEIGHT, 1.0))
         position_weights = None
-        if hard_weight != 1.0:  # a block's id: its row and the index of its slot 0 (tokens are contiguous)
-            index = torch.arange(labels.shape[1], device=labels.device)
-            block_id = torch.arange(labels.shape[0], device=labels.device)[:, None] * (labels.shape[1] + 1) + (
-                index - slots + self.config.block_size)
-            position_weights = hard_block_weights(logits, labels[targets], slots[targets], block_id[targets], hard_weight)
+        if hard_weight != 1.0:
+            right = torch.zeros_like(targets)
+            right[targets] = logits.argmax(-1) == labels[targets]
+            position_weights = hard_block_weights(right, targets, slots, hard_weight)[targets]
         return soft_diffusion_loss(
             logits, labels[targets], slots[targets],
             soft[TEACHER_IDS][:, first:][targets], soft[TEACHER_LOGPROBS][:, first:][targets], soft[SLOT_WEIGHTS],
@@ -381,8 +380,7 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
         and values kept in a cache), then the mask queries from ``first`` on against that cache.
 
         Both calls take their rows and columns of the one rendered training ``mask`` (with its query
-        ``positions``), so each query sees
-        exactly the keys it sees in the single call. Mask queries before ``first`` are dropped, and with
+        ``positions``), so each query sees exactly the keys it sees in the single call. Mask queries before ``first`` are dropped, and with
         them their keys (no query kept sees them: see :meth:`_first_mask_query`). Returns the clean
         half's hidden states and those of the mask queries ``first ..``.
         """

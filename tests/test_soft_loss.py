@@ -202,14 +202,13 @@ def test_sequential_training_resumes_exactly_on_a_dataset_that_grew(tmp_path, ca
 
 
 def test_hard_block_weights_pick_the_draft_slots_of_blocks_whose_slot0_is_wrong():
-    # Blocks 10 (slot 0 right), 20 (slot 0 wrong) and 30 (its slot 0 is not a target, e.g. in the prompt).
-    labels = torch.tensor([1, 2, 3, 1, 2, 3, 2, 3])
-    predicted = torch.tensor([1, 0, 3, 0, 2, 0, 2, 3])
-    logits = torch.nn.functional.one_hot(predicted, 4).float()
-    slots = torch.tensor([0, 1, 2, 0, 1, 2, 1, 2])
-    blocks = torch.tensor([10, 10, 10, 20, 20, 20, 30, 30])
-    weights = hard_block_weights(logits, labels, slots, blocks, 3.0)
-    assert weights.tolist() == [1, 1, 1, 1, 3, 3, 1, 1]  # slot 0 itself keeps 1
+    # One row of blocks of 3: columns 0-2 (slot 0 right), 3-5 (slot 0 wrong) and 6-8, whose slot 0 is not a
+    # target (e.g. in the prompt).
+    slots = torch.tensor([[0, 1, 2, 0, 1, 2, 0, 1, 2]])
+    targets = torch.tensor([[True] * 6 + [False, True, True]])
+    right = torch.tensor([[True, False, True, False, True, False, False, True, True]])
+    weights = hard_block_weights(right, targets, slots, 3.0)
+    assert weights[targets].tolist() == [1, 1, 1, 1, 3, 3, 1, 1]  # slot 0 itself keeps 1
 
 
 def test_model_soft_loss_with_hard_blocks_weighs_them_up(monkeypatch):
