@@ -25,6 +25,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_tidar import TidarForCausalLM, cpu
+from hf_tidar.adapters.lean import TailLoraLinear
 from hf_tidar.assets import SHIPPED_ADAPTER
 from hf_tidar.checkpoints import load_smollm2
 from hf_tidar.cpu.kernel import cpu_flags
@@ -50,6 +51,15 @@ def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, plan: DraftPlan
     return seconds
 
 
+def grow_lean_rank(model, rank: int) -> None:
+    """Pad every lean LoRA pair of ``model`` to ``rank`` (random rows of A, zero columns of B): same output."""
+    for module in model.modules():
+        if isinstance(module, TailLoraLinear) and module.lora_a.shape[0] < rank:
+            extra = rank - module.lora_a.shape[0]
+            module.lora_a = torch.cat([module.lora_a, 0.01 * torch.randn(extra, module.lora_a.shape[1])])
+            module.lora_b = torch.cat([module.lora_b, torch.zeros(module.lora_b.shape[0], extra)], dim=1)
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -62,6 +72,10 @@ def main() -> None:
                              "weights on a CPU with AVX-512 BF16); each one listed is timed in the same rounds")
     parser.add_argument("--groups", choices=["all", "first"], default="all",
                         help="every pre-draft group (k * k [MASK] rows) or the first only (k rows)")
+    parser.add_argument("--lora-ranks", type=int, nargs="+", default=[0],
+                        help="also time the adapter at these ranks: the shipped factors grown to each (zero columns of B, "
+                             "random rows of A), so drafts stay the same and the cost is a rank-R adapter's (0: as "
+                             "shipped); every one listed is timed in the same rounds")
     parser.add_argument("--linears", choices=["measured", "stock"], default="measured",
                         help="the measured CPU path (with its few-row kernel where it builds) or torch's F.linear")
     args = parser.parse_args()
@@ -73,8 +87,13 @@ def main() -> None:
     for drafts in args.draft_dtypes:
         suffix = "" if drafts == "float32" else f", {drafts} drafts"
         plain = TidarForCausalLM.from_ar(ar, block_size=4, tokenizer=copy.deepcopy(tokenizer)).eval()
-        lean = load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True)
-        for name, model in ((f"no adapter{suffix}", plain), (f"lean adapter{suffix}", lean)):
+        variants = [(f"no adapter{suffix}", plain)]
+        for rank in args.lora_ranks:
+            lean = load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True)
+            if rank:
+                grow_lean_rank(lean, rank)
+            variants.append((f"lean adapter{suffix}{f', rank {rank}' if rank else ''}", lean))
+        for name, model in variants:
             model = model.to(dtype)
             if args.linears == "measured":
                 cpu.enable(model, draft_dtype=None if drafts == "float32" else drafts)
@@ -89,9 +108,9 @@ def main() -> None:
     print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; {args.dtype}, {args.linears} linears; a {PREFIX}-token cache; median of "
           f"{args.repeats} alternating calls")
-    print("\n| k | query rows (clean + [MASK]) | drafts | AR step ms | no adapter ms | lean adapter ms | adapter adds |"
-          " pass / AR step |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| k | query rows (clean + [MASK]) | drafts | adapter | AR step ms | no adapter ms | lean adapter ms |"
+          " adapter adds | pass / AR step |")
+    print("|---|---|---|---|---|---|---|---|---|")
     step = prefix[:, -1:]
     first_model = next(iter(models))
     for k in args.draft_lengths:
@@ -106,9 +125,11 @@ def main() -> None:
         ms = {name: statistics.median(values[2:]) * 1e3 for name, values in samples.items()}
         for drafts in args.draft_dtypes:
             suffix = "" if drafts == "float32" else f", {drafts} drafts"
-            plain, lean = ms[f"no adapter{suffix}"], ms[f"lean adapter{suffix}"]
-            print(f"| {k} | {k} + {masks} | {drafts} | {ms['ar']:.1f} | {plain:.1f} | {lean:.1f} | "
-                  f"{lean / plain - 1:+.1%} | {lean / ms['ar']:.2f}x |", flush=True)
+            plain = ms[f"no adapter{suffix}"]
+            for rank in args.lora_ranks:
+                lean = ms[f"lean adapter{suffix}{f', rank {rank}' if rank else ''}"]
+                print(f"| {k} | {k} + {masks} | {drafts} | rank {rank or 'shipped'} | {ms['ar']:.1f} | {plain:.1f} | "
+                      f"{lean:.1f} | {lean / plain - 1:+.1%} | {lean / ms['ar']:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 #   DATA="runs/distill-big" OUT=runs/adapter-s4a STEPS=576 bash benchmarks/train_smollm2_adapter_stage4.sh train
 #   bash benchmarks/train_smollm2_adapter_stage4.sh export CHECKPOINT ADAPTER
 #   HARD=4 ...train   # the draft slots of blocks whose slot-0 draft is wrong weigh 4x (--hard-block-weight)
+#   RANK=32 ...train  # a higher LoRA rank, grown from INIT (zero new columns of B: the same drafts at step 0)
 #
 # distill-code: 8,500 prompts cut from the standard library's train split (4,000 code windows, 1,500 chat
 #   questions from docstrings, 3,000 "Write a function `f(args)` that ..." requests), shuffled (seed 5), and
@@ -46,7 +47,7 @@ distill_chat() {
 
 train() {
   # shellcheck disable=SC2086
-  $TIDAR train --model smollm2 --method lora --block-size 4 --lora-rank 16 --init-adapter "$INIT" \
+  $TIDAR train --model smollm2 --method lora --block-size 4 --lora-rank "${RANK:-16}" --init-adapter "$INIT" \
     --data --distilled $DATA --diffusion-loss soft --slot-decay 0.6 --slot0-weight 0.1 ${HARD:+--hard-block-weight "$HARD"} --data-order "${ORDER:-sequential}" \
     --batch-size "$BATCH" --learning-rate 5e-4 --warmup-ratio 0.05 --max-steps "$STEPS" ${STOP:+--stop-at-step "$STOP"} \
     --save-steps 20 --save-total-limit 4 --logging-steps 10 --eval-samples 0 --resume auto --output "$OUT" \

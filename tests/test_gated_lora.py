@@ -195,3 +195,27 @@ def test_creation_refuses_the_same_options(options, message):
     base = tidar_base_for_adapter(tiny_ar_model("llama", vocab_size=VOCAB), block_size=BLOCK)
     with pytest.raises(ValueError, match=f"gated LoRA.*{message}"):
         get_gated_lora_model(base, config)
+
+
+@pytest.mark.parametrize("alpha", [None, 8])
+def test_an_adapter_starts_a_higher_rank_run_with_the_same_drafts(tmp_path, alpha):
+    """--init-adapter with a higher --lora-rank: the saved factors fill the first rows / columns, the new columns
+    of B are zero (rescaled for another alpha / r), so the drafts are the saved adapter's and the new rank trains."""
+    from hf_tidar.training.train import load_adapter_weights
+
+    model, ar = _trained_gated_model()  # rank 4, alpha 8: scale 2
+    save_gated_lora(model, tmp_path)
+    grown = get_gated_lora_model(tidar_base_for_adapter(ar, block_size=BLOCK), gated_lora_config(rank=8, alpha=alpha))
+    load_adapter_weights(grown, str(tmp_path))
+    ids = counting_batch(2, 12, VOCAB, torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        torch.testing.assert_close(grown(input_ids=ids, labels=ids).logits, model(input_ids=ids, labels=ids).logits,
+                                   rtol=1e-5, atol=1e-6)
+    q_proj = grown.base_model.model.model.layers[0].self_attn.q_proj
+    assert torch.count_nonzero(q_proj.lora_A["default"].weight[4:]) > 0  # fresh rows: the new rank gets gradients
+    grown.train()
+    grown(input_ids=ids, labels=ids).loss.backward()
+    assert q_proj.lora_B["default"].weight.grad[:, 4:].abs().sum() > 0
+    lower = get_gated_lora_model(tidar_base_for_adapter(ar, block_size=BLOCK), gated_lora_config(rank=2))
+    with pytest.raises(ValueError, match="its own rank or a higher one"):
+        load_adapter_weights(lower, str(tmp_path))

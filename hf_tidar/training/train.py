@@ -72,10 +72,15 @@ def build_model(args: TidarTrainOptions, ar_model, tokenizer):
 
 
 def load_adapter_weights(model, folder: str) -> None:
-    """Copy a saved gated adapter's LoRA weights into ``model`` (same rank and targets), as a starting point.
+    """Copy a saved gated adapter's LoRA weights into ``model`` as a starting point.
+
+    The saved adapter may have a lower rank than ``model``'s (``--lora-rank``): its factors then fill the first
+    rows of each ``A`` and columns of each ``B``; the other rows of ``A`` keep their fresh initialisation and the
+    other columns of ``B`` are zero, with ``B`` rescaled for the new ``alpha / r``, so training starts from the
+    saved adapter's exact drafts with room to grow.
 
     Raises:
-        ValueError: the folder's weights don't match ``model``'s adapters (another rank or targets).
+        ValueError: the folder's weights don't match ``model``'s adapters (other targets, or a higher rank).
     """
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
@@ -84,11 +89,47 @@ def load_adapter_weights(model, folder: str) -> None:
     if not weights.exists():
         raise ValueError(f"--init-adapter {folder}: no adapter_model.safetensors there.")
     state = {name: tensor.float() for name, tensor in load_file(weights).items()}  # exports are fp16
+    state = _grown_to_model_rank(model, state, _saved_linear_scale(Path(folder)), folder)
     result = set_peft_model_state_dict(model, state)
     missing = [k for k in result.missing_keys if "lora_" in k]
     if missing or result.unexpected_keys:
         raise ValueError(f"--init-adapter {folder} does not match --lora-rank {model.peft_config['default'].r} "
                          f"and the default targets (missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}).")
+
+
+def _saved_linear_scale(folder: Path) -> float | None:
+    """``lora_alpha / r`` of the linear LoRAs of a saved adapter (``None`` if its config is not there)."""
+    config_file = folder / "adapter_config.json"
+    if not config_file.exists():
+        return None
+    config = json.loads(config_file.read_text())
+    return config["lora_alpha"] / config["r"]
+
+
+def _grown_to_model_rank(model, state: dict[str, torch.Tensor], saved_scale: float | None,
+                         folder: str) -> dict[str, torch.Tensor]:
+    """``state`` with each linear LoRA pair padded to ``model``'s rank (see :func:`load_adapter_weights`)."""
+    from peft import get_peft_model_state_dict
+
+    config = model.peft_config["default"]
+    scale = config.lora_alpha / config.r
+    current = get_peft_model_state_dict(model)
+    grown = dict(state)
+    for name, saved in state.items():
+        target = current.get(name)
+        if target is None or target.shape == saved.shape or saved.dim() != 2:
+            continue  # set_peft_model_state_dict reports names that do not match
+        if name.endswith("lora_A.weight") and saved.shape[1] == target.shape[1] and saved.shape[0] < target.shape[0]:
+            grown[name] = torch.cat([saved, target[saved.shape[0]:].float()])
+        elif name.endswith("lora_B.weight") and saved.shape[0] == target.shape[0] and saved.shape[1] < target.shape[1]:
+            factor = 1.0 if saved_scale is None else saved_scale / scale
+            padding = torch.zeros(saved.shape[0], target.shape[1] - saved.shape[1])
+            grown[name] = torch.cat([saved * factor, padding], dim=1)
+        else:
+            raise ValueError(f"--init-adapter {folder}: {name} has shape {tuple(saved.shape)}, the model's "
+                             f"{tuple(target.shape)}; an adapter can start a run of its own rank or a higher one "
+                             f"(--lora-rank {config.r}).")
+    return grown
 
 
 # -- data -----------------------------------------------------------------------------------------

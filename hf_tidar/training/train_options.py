@@ -62,8 +62,9 @@ class TidarTrainOptions:
         "help": "soft loss: factor on the draft slots of blocks whose slot-0 draft is wrong (decoding drafts "
                 "mostly after a rejected token, i.e. in such blocks; default 1: no reweighting)"})
     init_adapter: str | None = field(default=None, metadata={
-        "help": "lora: start from this gated adapter's weights (an adapter folder or a checkpoint; optimizer and "
-                "schedule start fresh). Ignored when resuming"})
+        "help": "lora: start from this gated adapter's weights (an adapter folder or a checkpoint; a lower rank than "
+                "--lora-rank is grown with zero columns of B, same drafts; optimizer and schedule start fresh). "
+                "Ignored when resuming"})
     stop_at_step: int | None = field(default=None, metadata={
         "help": "save a checkpoint and stop at this step, keeping the schedule of --max-steps (resume later with "
                 "--resume auto, e.g. once more data exists)"})
