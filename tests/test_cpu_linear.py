@@ -108,6 +108,28 @@ def test_few_row_kernel_gives_a_row_the_same_bits_whatever_the_row_count(isa, dt
         assert torch.equal(with_tail[i], kernel(x[i : i + 1], weight, None, lora_a, lora_b, 0)[0])
 
 
+@pytest.mark.parametrize("isa", ["avx2", "avx512", "avx512_bf16"])
+def test_float16_lora_factors_give_the_bits_of_their_float32_values(isa):
+    """The AVX-512 builds widen float16 factors exactly: the same sums as float32 factors holding those values;
+    the AVX2 build refuses them."""
+    kernel = _build(isa)
+    torch.manual_seed(1)
+    weight, bias = torch.randn(50, 577), torch.randn(50)
+    lora_a, lora_b = torch.randn(16, 577).half(), (0.1 * torch.randn(50, 16)).half()
+    if isa == "avx2":
+        with pytest.raises(RuntimeError, match="float16 LoRA factors need the kernel's AVX-512 build"):
+            kernel(torch.randn(3, 577), weight, bias, lora_a, lora_b, 1)
+        return
+    for rows in (1, 3, 6, 12, 13):
+        x = torch.randn(rows, 577)
+        for tail in sorted({0, rows // 2, rows - 1, rows}):
+            expected = kernel(x, weight, bias, lora_a.float(), lora_b.float(), tail)
+            assert torch.equal(kernel(x, weight, bias, lora_a, lora_b, tail), expected)
+    for wrong in (lora_a.float(), lora_a.bfloat16()):  # one factor float16, the other not
+        with pytest.raises(RuntimeError, match="lora_[ab] must be a contiguous CPU tensor"):
+            kernel(torch.randn(3, 577), weight, bias, wrong, lora_b, 1)
+
+
 @needs_kernel
 def test_the_widest_build_this_cpu_runs_is_the_one_used():
     assert few_row_kernel() is built_kernel(supported_isas()[0])

@@ -95,6 +95,37 @@ def test_on_the_kernel_the_update_is_fused_and_clean_rows_stay_the_base_models(d
     assert gap < 0.05 * (want[:, 10:].float() - clean[:, 10:].float()).norm()
 
 
+def test_factors_with_float16_values_reach_the_kernel_in_float16_and_change_no_bit(tmp_path, monkeypatch):
+    """cpu.enable hands the kernel float16 copies of factors that float16 holds exactly (an exported adapter's),
+    and keeps float32 factors that it does not hold (an adapter fresh from float32 training)."""
+    from hf_tidar.cpu.kernel import kernel_takes_half_factors
+
+    if few_row_kernel(torch.float32) is None or not kernel_takes_half_factors():
+        pytest.skip("float16 factors need the kernel's AVX-512 build")
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    _, exported, _ = _gated_pair(torch.float32)
+    _, fresh, _ = _gated_pair(torch.float32)
+    for module in exported.modules():  # as if loaded from a float16 export
+        if isinstance(module, TailLoraLinear):
+            module.lora_a, module.lora_b = module.lora_a.half().float(), module.lora_b.half().float()
+    cpu.enable(exported)
+    cpu.enable(fresh)
+    linears = [m for m in exported.modules() if isinstance(m, TailLoraLinear)]
+    assert linears and all(m.kernel_factors[0].dtype == torch.float16 for m in linears)
+    assert not any("kernel_factors" in m.__dict__ for m in fresh.modules())
+    ids = counting_batch(1, 10, VOCAB, torch.Generator().manual_seed(1))
+    x = _doubled(ids, exported.config.mask_token_id)
+    layout = tidar_training_layout(torch.ones_like(ids), BLOCK)
+    with torch.no_grad():
+        half = exported.structured_hidden_states(x, layout)
+        for module in linears:
+            del module.kernel_factors
+        single = exported.structured_hidden_states(x, layout)
+    assert torch.equal(half, single)
+    cpu.disable(exported)
+    assert not any("kernel_factors" in m.__dict__ for m in exported.modules())
+
+
 def test_bfloat16_drafts_take_bfloat16_factors_and_leave_clean_rows_alone(tmp_path, monkeypatch):
     from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel
 

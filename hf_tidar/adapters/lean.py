@@ -42,7 +42,7 @@ class TailLoraLinear(nn.Linear):
             return linear_forward(self, x)
         one_sequence = x.dim() == 3 and x.shape[0] == 1
         if one_sequence and not torch.is_grad_enabled():
-            fused = few_rows_lora_forward(self, x, self.lora_a, self.lora_b, start)
+            fused = few_rows_lora_forward(self, x, start)
             if fused is not None:  # the measured path's kernel did base product and update in one call
                 return fused
         out = linear_forward(self, x)

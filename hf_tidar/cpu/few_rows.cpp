@@ -20,6 +20,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
@@ -40,6 +41,7 @@ using bf16 = c10::BFloat16;
 
 inline float to_float(float v) { return v; }
 inline float to_float(bf16 v) { return static_cast<float>(v); }
+inline float to_float(c10::Half v) { return static_cast<float>(v); }
 inline void store(float* y, float v) { *y = v; }
 inline void store(bf16* y, float v) { *y = bf16(v); }  // round to nearest even, as torch's casts do
 
@@ -111,6 +113,29 @@ struct Avx512F32 {
   using Lora = Main;
 };
 using F32 = Avx512F32;
+
+// float32 against float16 rows, widened exactly: the LoRA factors of an adapter saved in float16 keep their exact
+// values at half the bytes (:func:`hf_tidar.cpu.linear.enable` passes them so only when that loses nothing). As
+// `Lora`, float32 codes · rows of lora_b; as `Main` of F32HalfCodes, input rows · rows of lora_a.
+struct HalfFactors {
+  using Acc = __m512;
+  using A = float;
+  using B = c10::Half;
+  using Vec = __m512;
+  static constexpr int kStep = 16;
+  static __mmask16 first(int n) { return static_cast<__mmask16>((1u << n) - 1); }
+  static __m512 widen(__m256i v) { return _mm512_cvtph_ps(v); }
+  static Vec load_a(const float* p) { return _mm512_loadu_ps(p); }
+  static Vec load_b(const c10::Half* p) { return widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static Vec load_a(const float* p, int n) { return _mm512_maskz_loadu_ps(first(n), p); }
+  static Vec load_b(const c10::Half* p, int n) { return widen(_mm256_maskz_loadu_epi16(first(n), p)); }
+  static void fma(Acc& acc, Vec a, Vec b) { acc = _mm512_fmadd_ps(a, b, acc); }
+};
+// The low-rank codes x @ lora_aᵀ for a float16 lora_a: float32 inputs against float16 "weight" rows.
+struct F32HalfCodes : Avx512F32 {
+  using Main = HalfFactors;
+};
+#define HF_TIDAR_KERNEL_HALF_FACTORS 1
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HF_TIDAR_KERNEL_BF16 1
 #define HF_TIDAR_KERNEL_ISA "avx512_bf16"
@@ -153,6 +178,21 @@ struct Avx512Bf16 {
     static Vec load_b(const bf16* p, int n) { return widen(_mm256_maskz_loadu_epi16(first(n), p)); }
     static void fma(Acc& acc, Vec a, Vec b) { acc = _mm512_fmadd_ps(a, b, acc); }
   };
+};
+#endif
+
+// The weight type of a set (its Main product's second operand), and the product a LoRA tail takes with lora_b
+// rows of type LB: the set's own Lora, or HalfFactors for float16 factors under float32 weights.
+template <class V>
+using WeightOf = typename V::Main::B;
+template <class V, class LB>
+struct LoraFor {
+  using type = typename V::Lora;
+};
+#ifdef HF_TIDAR_KERNEL_HALF_FACTORS
+template <>
+struct LoraFor<Avx512F32, c10::Half> {
+  using type = HalfFactors;
 };
 #endif
 
@@ -226,16 +266,16 @@ inline int64_t dot_segment(typename V::Acc (&acc)[MR][NR], const typename P::A* 
 // [x | z] against [w | b]), so the update costs R / K more work and streams b, in nn.Linear's [N, R] layout,
 // next to w. Every row has its own accumulators, so a tile may mix clean and tail rows: a row's sums are the
 // same whichever rows share its tile.
-template <class V, int MR, int NR, class Out>
-inline void dot_tile(const typename V::T* x, int64_t K, const typename V::T* w, const float* z, int first,
-                     const typename V::T* b, int64_t R, Out* y, int64_t ldy, const typename V::T* bias,
+template <class V, int MR, int NR, class Out, class LB>
+inline void dot_tile(const typename V::T* x, int64_t K, const WeightOf<V>* w, const float* z, int first,
+                     const LB* b, int64_t R, Out* y, int64_t ldy, const typename V::T* bias,
                      const char*& next, const char* end) {
   typename V::Acc acc[MR][NR];
   for (int i = 0; i < MR; ++i)
     for (int j = 0; j < NR; ++j) acc[i][j] = V::zero();
   [[maybe_unused]] const int64_t k = dot_segment<V, typename V::Main, MR, NR>(acc, x, K, w, K, K, next, end);
   [[maybe_unused]] const int64_t r =
-      z ? dot_segment<V, typename V::Lora, MR, NR>(acc, z, R, b, R, R, next, end, first) : 0;
+      z ? dot_segment<V, typename LoraFor<V, LB>::type, MR, NR>(acc, z, R, b, R, R, next, end, first) : 0;
 #ifdef __AVX512F__
   static_assert(V::kMasked, "an AVX-512 set masks its last step: no scalar remainder to add");
   float sums[16];
@@ -332,7 +372,7 @@ inline void dot_tile_mixed(const float* x, const bf16* x16, int64_t K, const flo
 // not 4 + 2). Measured by benchmarks/kernel_rows.py against the split tiles, float32, one decoder layer of
 // SmolLM2: 2 clean + 2 tail rows 659 -> 463 µs, 3 + 9 rows 1085 -> 878 µs, 5 clean rows 623 -> 518 µs.
 template <class V, int NR, bool Mixed, class Out, class LB>
-inline void column_block(const typename V::T* x, const bf16* x16, int64_t M, int64_t K, const typename V::T* w,
+inline void column_block(const typename V::T* x, const bf16* x16, int64_t M, int64_t K, const WeightOf<V>* w,
                          const float* z, const LB* b, int64_t R, int64_t tail, Out* y, int64_t N,
                          const typename V::T* bias, const char* next, const char* end) {
   static_assert(V::kRows == 4, "the remainder switch below covers 1-3 rows");
@@ -375,7 +415,7 @@ inline void column_block(const typename V::T* x, const bf16* x16, int64_t M, int
 
 template <class V, int NR, bool Mixed, class Out, class LB>
 inline void column_block_of(int64_t width, const typename V::T* x, const bf16* x16, int64_t M, int64_t K,
-                            const typename V::T* w, const float* z, const LB* b, int64_t R, int64_t tail, Out* y,
+                            const WeightOf<V>* w, const float* z, const LB* b, int64_t R, int64_t tail, Out* y,
                             int64_t N, const typename V::T* bias, const char* next, const char* end) {
   if constexpr (NR > 1) {
     if (width < NR)
@@ -389,17 +429,16 @@ inline void column_block_of(int64_t width, const typename V::T* x, const bf16* x
 // dot_segment_mixed. `parallel`: split the columns among torch's threads (a small product is faster on the
 // calling thread alone: a thread-pool dispatch costs more than the LoRA codes x @ lora_aᵀ themselves).
 template <class V, bool Mixed = false, class Out, class LB = typename V::T>
-void rows_times_weight(const typename V::T* x, int64_t M, int64_t K, const typename V::T* w, int64_t N, Out* y,
+void rows_times_weight(const typename V::T* x, int64_t M, int64_t K, const WeightOf<V>* w, int64_t N, Out* y,
                        const typename V::T* bias, const float* z, const LB* b, int64_t R, int64_t tail,
                        bool parallel = true, const bf16* x16 = nullptr) {
-  using T = typename V::T;
   constexpr int kColumns = V::kColumns;
   if (!z && !Mixed) tail = M;
   const int64_t blocks = (N + kColumns - 1) / kColumns;
   auto run = [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t n = blk * kColumns;
-      const T* bn = bias ? bias + n : nullptr;
+      const typename V::T* bn = bias ? bias + n : nullptr;
       const LB* lora = b ? b + n * R : nullptr;
       const char* next = reinterpret_cast<const char*>(w + std::min<int64_t>(n + kColumns, N) * K);
       const char* end = reinterpret_cast<const char*>(w + std::min<int64_t>(n + 2 * kColumns, N) * K);
@@ -426,7 +465,7 @@ void check_matrix(const at::Tensor& t, const char* name, at::ScalarType dtype) {
 #ifdef HF_TIDAR_KERNEL_BF16
               " or bfloat16",
 #endif
-              ")");
+              "; LoRA factors under float32 may also be float16 in the AVX-512 builds)");
 }
 
 // bias's data, checked to be N elements of `dtype` (nullptr without a bias). `op` names the operator in errors.
@@ -477,6 +516,31 @@ at::Tensor linear_with_tail(const at::Tensor& x, const at::Tensor& weight, const
   return y;
 }
 
+#ifdef HF_TIDAR_KERNEL_HALF_FACTORS
+// few_row_linear for float32 x and weight with float16 LoRA factors: the same sums as with their values in
+// float32 (each is widened exactly before its FMA), from half the bytes.
+at::Tensor linear_with_half_factors(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                   const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                                   int64_t tail_start) {
+  check_matrix(weight, "weight", at::kFloat);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  const float* bias_data = checked_bias<float>(bias, at::kFloat, N, "few_row_linear");
+  const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
+  const int64_t R = tail < M ? checked_lora_rank(lora_a, lora_b, at::kHalf, K, N, "few_row_linear") : 0;
+  std::vector<float> z((M - tail) * R);
+  const float* xs = x.data_ptr<float>();
+  if (R > 0)
+    rows_times_weight<F32HalfCodes, false, float, float>(xs + tail * K, M - tail, K, lora_a->data_ptr<at::Half>(), R,
+                                                         z.data(), nullptr, nullptr, nullptr, 0, M - tail,
+                                                         /*parallel=*/false);
+  at::Tensor y = at::empty({M, N}, x.options());
+  rows_times_weight<F32, false, float, c10::Half>(xs, M, K, weight.data_ptr<float>(), N, y.data_ptr<float>(), bias_data,
+                                                  R > 0 ? z.data() : nullptr,
+                                                  R > 0 ? lora_b->data_ptr<at::Half>() : nullptr, R, tail);
+  return y;
+}
+#endif
+
 #ifdef HF_TIDAR_KERNEL_BF16
 // few_row_linear for float32 x and weight whose rows from tail_start on are drafts: those rows are multiplied
 // in bfloat16 (inputs and weights rounded to bfloat16, float32 sums; lora_a and lora_b, if given, bfloat16).
@@ -518,6 +582,13 @@ at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& weight, const s
               "few_row_linear: x must be [M, K] and weight [N, K]");
   if (x.scalar_type() == at::kFloat || !x.is_cpu()) {
     check_matrix(x, "x", at::kFloat);
+    if (lora_a.has_value() && lora_a->scalar_type() == at::kHalf) {
+#ifdef HF_TIDAR_KERNEL_HALF_FACTORS
+      return linear_with_half_factors(x, weight, bias, lora_a, lora_b, tail_start);
+#else
+      TORCH_CHECK(false, "few_row_linear: float16 LoRA factors need the kernel's AVX-512 build");
+#endif
+    }
     return linear_with_tail<F32>(x, weight, bias, lora_a, lora_b, tail_start);
   }
 #ifdef HF_TIDAR_KERNEL_BF16
@@ -531,6 +602,15 @@ at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& weight, const s
 
 // The instruction set this build uses ("avx2", "avx512" or "avx512_bf16").
 std::string few_row_isa() { return HF_TIDAR_KERNEL_ISA; }
+
+// Whether few_row_linear takes float16 LoRA factors under float32 weights (the AVX-512 builds).
+bool few_row_half_factors() {
+#ifdef HF_TIDAR_KERNEL_HALF_FACTORS
+  return true;
+#else
+  return false;
+#endif
+}
 
 }  // namespace
 
@@ -546,4 +626,5 @@ HF_TIDAR_DEFINE_LIBRARY(HF_TIDAR_KERNEL_LIBRARY, m) {
         &few_row_linear_bf16_tail);
 #endif
   m.def("few_row_isa() -> str", &few_row_isa);
+  m.def("few_row_half_factors() -> bool", &few_row_half_factors);
 }

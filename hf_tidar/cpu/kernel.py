@@ -125,7 +125,8 @@ def few_row_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Te
 
     Signature: ``(x [M, K], weight [N, K], bias [N] | None, lora_a [R, K] | None, lora_b [N, R] | None,
     tail_start) -> [M, N]``, all contiguous CPU tensors of one dtype (float32; bfloat16 too on the
-    AVX-512 BF16 build); rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added.
+    AVX-512 BF16 build); rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. Under float32, the
+    AVX-512 builds also take float16 ``lora_a`` and ``lora_b`` (:func:`kernel_takes_half_factors`).
     """
     isa = kernel_isa()
     reason = _unavailable_reason(isa)
@@ -150,6 +151,16 @@ def few_row_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
         return None
     library = built_library(isa)
     return None if library is None else library.few_row_linear_bf16_tail
+
+
+def kernel_takes_half_factors() -> bool:
+    """Whether the float32 few-row kernel here takes float16 LoRA factors (widened exactly in the kernel: the
+    same products from half the bytes). The AVX-512 builds do; the AVX2 build does not."""
+    isa = kernel_isa()
+    if _unavailable_reason(isa) is not None:
+        return False
+    library = built_library(isa)
+    return library is not None and bool(library.few_row_half_factors())
 
 
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..assets import cache_root
 from ..mask_tail import ensure_mask_tail
-from .kernel import build_key, cpu_info, few_row_bf16_tail_kernel, few_row_kernel
+from .kernel import build_key, cpu_info, few_row_bf16_tail_kernel, few_row_kernel, kernel_takes_half_factors
 
 logger = logging.getLogger(__name__)
 
@@ -209,65 +209,79 @@ def choices_for(out_features: int, in_features: int, dtype: torch.dtype, remeasu
 # -- the module -----------------------------------------------------------------------------------
 
 
-def _measured_rows(module: nn.Linear, x: torch.Tensor) -> int:
-    """``x``'s row count if the plan covers it here (inference, a CPU tensor of the weight's dtype), else 0."""
-    choices = module.__dict__.get("choices")
-    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not choices or rows > len(choices) or torch.is_grad_enabled() or x.device.type != "cpu" or \
-            x.dtype != module.weight.dtype or module.weight.dtype != module.__dict__.get("plan_dtype"):
-        return 0  # (a model cast to another dtype after enable() keeps a plan measured for the old one)
-    return rows
+def _weight_and_bias(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # Read from _parameters directly: nn.Module.__getattr__ costs about a microsecond a pass per linear.
+    params = module._parameters
+    weight = params["weight"] if "weight" in params else module.weight
+    return weight, params["bias"] if "bias" in params else module.bias
+
+
+def _flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` as a contiguous ``[rows, features]`` matrix (a view where it already is one)."""
+    return x.view(rows, x.shape[-1]) if x.is_contiguous() else x.reshape(rows, x.shape[-1]).contiguous()
 
 
 def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module``'s product by its measured path when :func:`enable` gave it one, else ``F.linear``.
 
     Plain ``F.linear`` whenever autograd records, the input is not a CPU tensor of the weight's dtype,
-    or the row count is beyond the plan (prefills, training batches).
+    or the row count is beyond the plan (prefills, training batches). Called once per linear per decode
+    step, so it checks only what can differ between calls.
     """
-    rows = _measured_rows(module, x)
-    if not rows:
-        return F.linear(x, module.weight, module.bias)
-    draft_from = _draft_rows_from(module, x, rows)
-    if draft_from is not None:
-        out = module.draft_op(x.reshape(rows, x.shape[-1]).contiguous(), module.weight, module.bias, None, None,
-                              draft_from)
+    state = module.__dict__
+    choices = state.get("choices")
+    weight, bias = _weight_and_bias(module)
+    features = x.shape[-1]
+    rows = x.numel() // features if features else 0
+    # (a model cast to another dtype after enable() keeps a plan measured for the old one: plain F.linear)
+    if not choices or not rows or rows > len(choices) or torch.is_grad_enabled() or x.dtype != weight.dtype \
+            or weight.dtype != state.get("plan_dtype") or x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    tail = state.get("draft_tail")
+    if tail is not None and tail.start is not None and rows == x.shape[-2] and rows - tail.start >= BF16_DRAFT_MIN_ROWS:
+        out = module.draft_op(_flat_rows(x, rows), weight, bias, None, None, tail.start)
         return out.view(*x.shape[:-1], module.out_features)
-    choice = module.choices[rows - 1]
+    choice = choices[rows - 1]
     if choice.method == "linear":
-        return F.linear(x, module.weight, module.bias)
-    flat = x.reshape(rows, x.shape[-1])
+        return F.linear(x, weight, bias)
     if choice.method == "few_rows":  # the kernel takes any row count as it is and returns a contiguous result
-        out = module.few_row_op(flat.contiguous(), module.weight, module.bias, None, None, rows)
+        out = state["few_row_op"](_flat_rows(x, rows), weight, bias, None, None, rows)
         return out.view(*x.shape[:-1], module.out_features)
+    flat = x.reshape(rows, features)
     if choice.padded_rows > rows:
         flat = F.pad(flat, (0, 0, 0, choice.padded_rows - rows))
     packed = _packed_weight(module) if choice.method == "onednn" else None
-    out = _run(choice.method, module.weight, packed, flat, module.bias)[:rows]
+    out = _run(choice.method, weight, packed, flat, bias)[:rows]
     # Callers .view() the result (attention splits heads): it must be contiguous.
     return out.contiguous().reshape(*x.shape[:-1], module.out_features)
 
 
-def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
-                          tail_start: int) -> torch.Tensor | None:
-    """``module(x)`` plus ``x @ lora_aᵀ @ lora_bᵀ`` on the rows from ``tail_start`` on, in one kernel call.
+def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -> torch.Tensor | None:
+    """``module(x)`` plus its lean LoRA update (``x @ lora_aᵀ @ lora_bᵀ``) on the rows from ``tail_start`` on,
+    in one kernel call.
 
-    For one sequence (``x`` is ``[1, T, K]`` or ``[T, K]``) on the measured path where the few-row kernel
-    runs; ``None`` otherwise (the caller adds the update itself). The kernel is used here whatever the
-    plan says for the bare product: fused, the update costs almost nothing, where as separate small
-    products it costs more than the product itself. Rows before the tail are the base product on the
-    kernel, which gives a row the same bits whatever the row count.
+    For one sequence (``x`` is ``[1, T, K]``), outside autograd, on the measured path where the few-row kernel
+    runs; ``None`` otherwise (the caller adds the update itself). The kernel is used here whatever the plan says
+    for the bare product: fused, the update costs almost nothing, where as separate small products it costs more
+    than the product itself. Rows before the tail are the base product on the kernel, which gives a row the same
+    bits whatever the row count. Called once per adapted linear per pass, so it checks only what can differ.
     """
-    kernel = module.__dict__.get("few_row_op")
-    rows = _measured_rows(module, x) if kernel is not None else 0
-    if not rows or rows != x.shape[-2]:
+    state = module.__dict__
+    kernel, plan_dtype, choices = state.get("few_row_op"), state.get("plan_dtype"), state.get("choices")
+    rows = x.shape[-2]
+    weight, bias = _weight_and_bias(module)
+    if kernel is None or not choices or rows > len(choices) or x.dtype != plan_dtype or weight.dtype != plan_dtype \
+            or x.device.type != "cpu":
         return None
-    flat = x.reshape(rows, x.shape[-1]).contiguous()
-    if _draft_rows_from(module, x, rows) == tail_start:  # the [MASK] tail in bfloat16, with bfloat16 factors
-        out = module.draft_op(flat, module.weight, module.bias, module.lora_a16, module.lora_b16, tail_start)
+    flat = _flat_rows(x, rows)
+    tail = state.get("draft_tail")
+    if tail is not None and tail.start == tail_start and rows - tail_start >= BF16_DRAFT_MIN_ROWS:
+        # the [MASK] tail in bfloat16, with bfloat16 factors
+        out = module.draft_op(flat, weight, bias, module.lora_a16, module.lora_b16, tail_start)
     else:
-        out = kernel(flat, module.weight, module.bias, lora_a, lora_b, tail_start)
-    return out.view(*x.shape[:-1], module.out_features)
+        lora_a, lora_b = state.get("kernel_factors") or (module.lora_a, module.lora_b)
+        out = kernel(flat, weight, bias, lora_a, lora_b, tail_start)
+    return out.view(1, rows, module.out_features)
 
 
 BF16_DRAFT_MIN_ROWS = 8
@@ -275,17 +289,6 @@ BF16_DRAFT_MIN_ROWS = 8
 on SmolLM2 (2-core AVX-512 BF16 EPYC, ``benchmarks/adapter_cost.py --draft-dtypes float32 bfloat16``) it
 paid for 9 and 16 draft rows (k = 3 and 4 with every group: a pass 1.59x -> 1.50x and 2.03x -> 1.90x an AR
 step) and not for 2-4 (the first-group layouts: 1.22x -> 1.19x at k = 3, slower at k = 2 and 4)."""
-
-
-def _draft_rows_from(module: nn.Linear, x: torch.Tensor, rows: int) -> int | None:
-    """Where ``x``'s draft rows start when ``module`` multiplies the ``[MASK]`` tail in bfloat16
-    (:func:`enable`'s ``draft_dtype``) and ``x`` is one sequence with a tail of at least
-    :data:`BF16_DRAFT_MIN_ROWS` rows in this forward; else ``None``."""
-    tail = module.__dict__.get("draft_tail")
-    start = None if tail is None else tail.start
-    if start is None or rows != x.shape[-2] or rows - start < BF16_DRAFT_MIN_ROWS:  # no tail, or a short one
-        return None
-    return start
 
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:
@@ -352,6 +355,7 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
         module.choices = plans[key]
         module.few_row_op = few_row_kernel(key[2])
         module.plan_dtype = key[2]
+        _give_half_factors(module)
         module._packed = None
         module._packed_version = -1
     if attention and dtypes:
@@ -359,6 +363,21 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     if draft_dtype is not None:
         _draft_in(model, draft_dtype)
     return model
+
+
+def _give_half_factors(module: nn.Module) -> None:
+    """Give a lean adapter's float32 kernel linear its LoRA factors in float16 for the kernel, where that loses
+    nothing: an adapter saved in float16 (as exports are) with a power-of-two scale has float16 values, and the
+    factors, streamed next to every weight, cost about 4.5% of a decode pass on SmolLM2 in float32 (rank 16).
+    The kernel widens each one exactly, so products and drafts keep their bits."""
+    module.__dict__.pop("kernel_factors", None)
+    a, b = getattr(module, "lora_a", None), getattr(module, "lora_b", None)
+    if not isinstance(a, torch.Tensor) or module.__dict__.get("plan_dtype") != torch.float32 or \
+            module.__dict__.get("few_row_op") is None or a.dtype != torch.float32 or not kernel_takes_half_factors():
+        return
+    half_a, half_b = a.half(), b.half()
+    if torch.equal(half_a.float(), a) and torch.equal(half_b.float(), b):
+        module.kernel_factors = (half_a, half_b.contiguous())
 
 
 def _draft_in(model: nn.Module, draft_dtype: torch.dtype | str) -> None:
@@ -413,7 +432,7 @@ def disable(model: nn.Module) -> nn.Module:
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear
         for name in ("choices", "few_row_op", "plan_dtype", "_packed", "_packed_version", "draft_op", "draft_tail",
-                     "lora_a16", "lora_b16"):
+                     "lora_a16", "lora_b16", "kernel_factors"):
             module.__dict__.pop(name, None)
     before = model.__dict__.pop("_hf_tidar_attention_before", None)
     if before is not None:
