@@ -1,6 +1,7 @@
 """What the gated adapter adds to one forward: the same query on the same cache, with and without it.
 
     python benchmarks/adapter_cost.py --draft-lengths 2 3 4 --repeats 30 --threads 2 [--dtype bfloat16] [--groups first]
+    python benchmarks/adapter_cost.py --draft-lengths 2 3 --groups first --lora-ranks 0 32 64   # what a rank costs
 
 SmolLM2-135M-Instruct, float32 unless ``--dtype`` says otherwise. A TiDAR pass at draft length ``k`` with
 every pre-draft group is a query of ``k`` clean tokens followed by ``k * k`` ``[MASK]`` tokens (``k`` of
