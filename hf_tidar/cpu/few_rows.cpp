@@ -14,7 +14,8 @@
 //
 // With lora_a [R, K] and lora_b [N, R] (scale·B, nn.Linear's layout), rows from tail_start on also get
 // (x @ lora_aᵀ) @ lora_bᵀ, summed into the same dot products (see dot_tile). The low-rank codes
-// x @ lora_aᵀ are kept in float32 whatever the weights' dtype.
+// x @ lora_aᵀ are kept in float32 whatever the weights' dtype. Under float32 weights the AVX-512 builds also
+// take float16 factors (HalfFactors), widened exactly: the factors are streamed with every weight.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -115,7 +116,7 @@ struct Avx512F32 {
 using F32 = Avx512F32;
 
 // float32 against float16 rows, widened exactly: the LoRA factors of an adapter saved in float16 keep their exact
-// values at half the bytes (:func:`hf_tidar.cpu.linear.enable` passes them so only when that loses nothing). As
+// values at half the bytes (hf_tidar.cpu.linear.enable passes them so only when that loses nothing). As
 // `Lora`, float32 codes · rows of lora_b; as `Main` of F32HalfCodes, input rows · rows of lora_a.
 struct HalfFactors {
   using Acc = __m512;
