@@ -492,55 +492,35 @@ int64_t checked_lora_rank(const std::optional<at::Tensor>& lora_a, const std::op
   return R;
 }
 
-template <class V>
+// few_row_linear on the set V. CodesV computes the tail's low-rank codes x @ lora_aᵀ: V itself (factors of x's
+// dtype), or F32HalfCodes for float16 factors under float32 weights (the same sums as with their values in
+// float32, each widened exactly before its FMA, from half the bytes).
+template <class V, class CodesV = V>
 at::Tensor linear_with_tail(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                             const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
                             int64_t tail_start) {
   using T = typename V::T;
+  using F = WeightOf<CodesV>;  // the factors' type
   const auto dtype = x.scalar_type();
   check_matrix(weight, "weight", dtype);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
   const T* bias_data = checked_bias<T>(bias, dtype, N, "few_row_linear");
   const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
   std::vector<float> z;
-  const T* b_data = nullptr;
-  const int64_t R = tail < M ? checked_lora_rank(lora_a, lora_b, dtype, K, N, "few_row_linear") : 0;
+  const F* b_data = nullptr;
+  const int64_t R =
+      tail < M ? checked_lora_rank(lora_a, lora_b, c10::CppTypeToScalarType<F>::value, K, N, "few_row_linear") : 0;
   if (R > 0) {
     z.resize((M - tail) * R);  // the tail rows' low-rank codes x @ lora_aᵀ, in float32
-    rows_times_weight<V, false, float, T>(x.data_ptr<T>() + tail * K, M - tail, K, lora_a->data_ptr<T>(), R, z.data(),
-                                nullptr, nullptr, nullptr, 0, M - tail, /*parallel=*/false);
-    b_data = lora_b->data_ptr<T>();
+    rows_times_weight<CodesV, false, float, T>(x.data_ptr<T>() + tail * K, M - tail, K, lora_a->data_ptr<F>(), R,
+                                               z.data(), nullptr, nullptr, nullptr, 0, M - tail, /*parallel=*/false);
+    b_data = lora_b->data_ptr<F>();
   }
   at::Tensor y = at::empty({M, N}, x.options());
-  rows_times_weight<V, false, T, T>(x.data_ptr<T>(), M, K, weight.data_ptr<T>(), N, y.data_ptr<T>(), bias_data,
-                          z.empty() ? nullptr : z.data(), b_data, R, tail);
+  rows_times_weight<V, false, T, F>(x.data_ptr<T>(), M, K, weight.data_ptr<T>(), N, y.data_ptr<T>(), bias_data,
+                                    z.empty() ? nullptr : z.data(), b_data, R, tail);
   return y;
 }
-
-#ifdef HF_TIDAR_KERNEL_HALF_FACTORS
-// few_row_linear for float32 x and weight with float16 LoRA factors: the same sums as with their values in
-// float32 (each is widened exactly before its FMA), from half the bytes.
-at::Tensor linear_with_half_factors(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                                   const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
-                                   int64_t tail_start) {
-  check_matrix(weight, "weight", at::kFloat);
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  const float* bias_data = checked_bias<float>(bias, at::kFloat, N, "few_row_linear");
-  const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
-  const int64_t R = tail < M ? checked_lora_rank(lora_a, lora_b, at::kHalf, K, N, "few_row_linear") : 0;
-  std::vector<float> z((M - tail) * R);
-  const float* xs = x.data_ptr<float>();
-  if (R > 0)
-    rows_times_weight<F32HalfCodes, false, float, float>(xs + tail * K, M - tail, K, lora_a->data_ptr<at::Half>(), R,
-                                                         z.data(), nullptr, nullptr, nullptr, 0, M - tail,
-                                                         /*parallel=*/false);
-  at::Tensor y = at::empty({M, N}, x.options());
-  rows_times_weight<F32, false, float, c10::Half>(xs, M, K, weight.data_ptr<float>(), N, y.data_ptr<float>(), bias_data,
-                                                  R > 0 ? z.data() : nullptr,
-                                                  R > 0 ? lora_b->data_ptr<at::Half>() : nullptr, R, tail);
-  return y;
-}
-#endif
 
 #ifdef HF_TIDAR_KERNEL_BF16
 // few_row_linear for float32 x and weight whose rows from tail_start on are drafts: those rows are multiplied
@@ -585,7 +565,7 @@ at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& weight, const s
     check_matrix(x, "x", at::kFloat);
     if (lora_a.has_value() && lora_a->scalar_type() == at::kHalf) {
 #ifdef HF_TIDAR_KERNEL_HALF_FACTORS
-      return linear_with_half_factors(x, weight, bias, lora_a, lora_b, tail_start);
+      return linear_with_tail<F32, F32HalfCodes>(x, weight, bias, lora_a, lora_b, tail_start);
 #else
       TORCH_CHECK(false, "few_row_linear: float16 LoRA factors need the kernel's AVX-512 build");
 #endif
