@@ -216,6 +216,23 @@ def _weight_and_bias(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | No
     return weight, params["bias"] if "bias" in params else module.bias
 
 
+def _plan_covers(state: dict, weight: torch.Tensor, x: torch.Tensor, rows: int) -> bool:
+    """Whether the measured plan in a linear's ``state`` covers ``rows`` rows of ``x`` here: a CPU tensor of the
+    weight's dtype, and the weight still of the dtype the plan was measured for (a model cast to another dtype
+    after enable() keeps a plan measured for the old one)."""
+    choices = state.get("choices")
+    return bool(choices) and 0 < rows <= len(choices) and x.dtype == weight.dtype == state.get("plan_dtype") \
+        and x.device.type == "cpu"
+
+
+def _bf16_tail_start(state: dict, rows: int) -> int | None:
+    """Where a one-sequence product of ``rows`` rows starts its bfloat16 ``[MASK]`` tail (:func:`enable`'s
+    ``draft_dtype``, a tail of at least :data:`BF16_DRAFT_MIN_ROWS` rows in this forward); else ``None``."""
+    tail = state.get("draft_tail")
+    start = None if tail is None else tail.start
+    return start if start is not None and rows - start >= BF16_DRAFT_MIN_ROWS else None
+
+
 def _flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     """``x`` as a contiguous ``[rows, features]`` matrix (a view where it already is one)."""
     return x.view(rows, x.shape[-1]) if x.is_contiguous() else x.reshape(rows, x.shape[-1]).contiguous()
@@ -229,19 +246,16 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     step, so it checks only what can differ between calls.
     """
     state = module.__dict__
-    choices = state.get("choices")
     weight, bias = _weight_and_bias(module)
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
-    # (a model cast to another dtype after enable() keeps a plan measured for the old one: plain F.linear)
-    if not choices or not rows or rows > len(choices) or torch.is_grad_enabled() or x.dtype != weight.dtype \
-            or weight.dtype != state.get("plan_dtype") or x.device.type != "cpu":
+    if torch.is_grad_enabled() or not _plan_covers(state, weight, x, rows):
         return F.linear(x, weight, bias)
-    tail = state.get("draft_tail")
-    if tail is not None and tail.start is not None and rows == x.shape[-2] and rows - tail.start >= BF16_DRAFT_MIN_ROWS:
-        out = module.draft_op(_flat_rows(x, rows), weight, bias, None, None, tail.start)
+    draft_from = _bf16_tail_start(state, rows) if rows == x.shape[-2] else None
+    if draft_from is not None:
+        out = module.draft_op(_flat_rows(x, rows), weight, bias, None, None, draft_from)
         return out.view(*x.shape[:-1], module.out_features)
-    choice = choices[rows - 1]
+    choice = state["choices"][rows - 1]
     if choice.method == "linear":
         return F.linear(x, weight, bias)
     if choice.method == "few_rows":  # the kernel takes any row count as it is and returns a contiguous result
@@ -267,16 +281,13 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     bits whatever the row count. Called once per adapted linear per pass, so it checks only what can differ.
     """
     state = module.__dict__
-    kernel, plan_dtype, choices = state.get("few_row_op"), state.get("plan_dtype"), state.get("choices")
+    kernel = state.get("few_row_op")
     rows = x.shape[-2]
     weight, bias = _weight_and_bias(module)
-    if kernel is None or not choices or rows > len(choices) or x.dtype != plan_dtype or weight.dtype != plan_dtype \
-            or x.device.type != "cpu":
+    if kernel is None or not _plan_covers(state, weight, x, rows):
         return None
     flat = _flat_rows(x, rows)
-    tail = state.get("draft_tail")
-    if tail is not None and tail.start == tail_start and rows - tail_start >= BF16_DRAFT_MIN_ROWS:
-        # the [MASK] tail in bfloat16, with bfloat16 factors
+    if _bf16_tail_start(state, rows) == tail_start:  # the [MASK] tail in bfloat16, with bfloat16 factors
         out = module.draft_op(flat, weight, bias, module.lora_a16, module.lora_b16, tail_start)
     else:
         lora_a, lora_b = state.get("kernel_factors") or (module.lora_a, module.lora_b)
