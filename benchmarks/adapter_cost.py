@@ -61,6 +61,11 @@ def grow_lean_rank(model, rank: int) -> None:
             module.lora_b = torch.cat([module.lora_b, torch.zeros(module.lora_b.shape[0], extra)], dim=1)
 
 
+def lean_name(suffix: str, rank: int) -> str:
+    """The row name of the lean adapter at ``rank`` (0: as shipped) with draft-dtype ``suffix``."""
+    return f"lean adapter{suffix}{f', rank {rank}' if rank else ''}"
+
+
 @torch.inference_mode()
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -93,7 +98,7 @@ def main() -> None:
             lean = load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True)
             if rank:
                 grow_lean_rank(lean, rank)
-            variants.append((f"lean adapter{suffix}{f', rank {rank}' if rank else ''}", lean))
+            variants.append((lean_name(suffix, rank), lean))
         for name, model in variants:
             model = model.to(dtype)
             if args.linears == "measured":
@@ -128,7 +133,7 @@ def main() -> None:
             suffix = "" if drafts == "float32" else f", {drafts} drafts"
             plain = ms[f"no adapter{suffix}"]
             for rank in args.lora_ranks:
-                lean = ms[f"lean adapter{suffix}{f', rank {rank}' if rank else ''}"]
+                lean = ms[lean_name(suffix, rank)]
                 print(f"| {k} | {k} + {masks} | {drafts} | rank {rank or 'shipped'} | {ms['ar']:.1f} | {plain:.1f} | "
                       f"{lean:.1f} | {lean / plain - 1:+.1%} | {lean / ms['ar']:.2f}x |", flush=True)
 
