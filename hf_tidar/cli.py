@@ -17,7 +17,7 @@ from .exit_codes import EXIT_ERROR, EXIT_HUB, EXIT_OK, EXIT_USAGE, exit_code_for
 
 __all__ = ["COMMANDS", "EXIT_ERROR", "EXIT_HUB", "EXIT_OK", "EXIT_USAGE", "HelpFormatter", "build_parser", "main"]
 
-COMMANDS = ("demo", "convert", "generate", "train", "distill", "card", "push", "bench", "profile")
+COMMANDS = ("demo", "convert", "generate", "train", "distill", "datastore", "card", "push", "bench", "profile")
 """The subcommands, in ``--help`` order; each is the module ``hf_tidar.commands.<name>``."""
 
 

@@ -107,6 +107,9 @@ class TidarForCausalLM(StrategyGenerationMixin, TidarPreTrainedModel, Generation
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     supported_strategies = ("ar", "tidar")
+    #: a :class:`hf_tidar.generation.datastore.DraftDatastore` that TiDAR's lookup drafts read by default
+    #: (``generate(..., datastore=...)`` overrides it); loading an adapter that ships one sets it
+    draft_datastore = None
     # The hybrid loss is a mean per batch; Trainer must scale it for gradient accumulation itself.
     accepts_loss_kwargs = False
 

@@ -18,11 +18,11 @@ from hf_tidar.training import byte_level_tokenizer
 def test_help_lists_the_subcommands():
     result = subprocess.run([sys.executable, "-m", "hf_tidar.cli", "--help"], capture_output=True, text=True)
     assert result.returncode == 0
-    for command in ("demo", "convert", "train", "distill", "generate", "bench", "profile", "card", "push"):
+    for command in ("demo", "convert", "train", "distill", "datastore", "generate", "bench", "profile", "card", "push"):
         assert command in result.stdout
 
 
-@pytest.mark.parametrize("command", ["demo", "convert", "generate", "distill"])
+@pytest.mark.parametrize("command", ["demo", "convert", "generate", "distill", "datastore"])
 def test_each_subcommand_has_help(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args([command, "--help"])

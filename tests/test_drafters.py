@@ -22,11 +22,12 @@ def test_ngram_index_proposes_the_latest_continuation_of_the_longest_suffix():
 
 def test_source_chooser_follows_what_gets_accepted():
     chooser = SourceChooser()
-    assert chooser.prefers_lookup()  # optimistic prior: lookup is tried first
+    both = {"prompt_lookup": None, "diffusion": None}
+    assert chooser.pick(both) == "prompt_lookup"  # optimistic prior: lookup is tried first
     for _ in range(6):
         chooser.observe("prompt_lookup", 0)
         chooser.observe("diffusion", 2)
-    assert not chooser.prefers_lookup()
+    assert chooser.pick(both) == "diffusion"
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +121,8 @@ def test_with_pass_costs_the_chooser_compares_tokens_per_second():
         for _ in range(20):
             chooser.observe("prompt_lookup", 1)  # 2 tokens per pass
             chooser.observe("diffusion", 2)  # 3 tokens per pass, at twice the cost
-    assert not by_count.prefers_lookup() and by_rate.prefers_lookup()
+    both = {"prompt_lookup": None, "diffusion": None}
+    assert by_count.pick(both) == "diffusion" and by_rate.pick(both) == "prompt_lookup"
 
 
 def test_auto_layout_drafts_by_lookup_where_it_pays_and_stays_exact(looping_model, monkeypatch, tmp_path):

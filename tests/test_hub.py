@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 import httpx2  # huggingface_hub's HTTP client: builds the responses its errors carry
+import numpy as np
 import pytest
 import torch
 from huggingface_hub import CommitInfo, HfApi, ModelCard, ModelCardData, RepoUrl
@@ -312,6 +313,28 @@ def test_push_model_object_and_adapter(folders, monkeypatch):
     assert set(model_files) == FULL_MODEL_FILES
     assert set(adapter_files) == {"README.md", "adapter_config.json", "adapter_model.safetensors", "tidar_gate.json"}
     assert not hasattr(model.generation_config, "strategy")  # the caller's model is not modified
+
+
+def test_an_adapters_datastore_is_pushed_and_loaded_with_it(folders, monkeypatch, tmp_path):
+    import shutil
+
+    from hf_tidar.generation.datastore import DraftDatastore
+
+    folder = tmp_path / "adapter"
+    shutil.copytree(folders / "adapter", folder)
+    ids = byte_level_tokenizer()(PROMPT, return_tensors="pt")["input_ids"]
+    DraftDatastore.from_sequences([ids[0].tolist()]).save(folder / "datastore.npz")
+    hub = FakeHub(monkeypatch)
+    push(folder, "tester/tiny-tidar-lora", card_inputs=CardInputs(base_model="tester/tiny-ar"))
+    (_, files, _), = hub.commits
+    assert "datastore.npz" in files
+    for lean in (False, True):
+        model = load_tidar_adapter(AutoModelForCausalLM.from_pretrained(folders / "ar"), folder,
+                                   tokenizer=byte_level_tokenizer(), lean=lean)
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        assert np.array_equal(inner.draft_datastore.tokens[:-1], ids[0].numpy())
+    assert load_tidar_adapter(AutoModelForCausalLM.from_pretrained(folders / "ar"), folders / "adapter",
+                              tokenizer=byte_level_tokenizer(), lean=True).draft_datastore is None
 
 
 def test_transformers_push_to_hub_carries_weights_and_the_default_strategy(folders, monkeypatch):

@@ -65,6 +65,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--lookup-length", nargs="+", type=int, default=[DEFAULT_LOOKUP_LENGTH],
                         help="most prompt-lookup drafts a pass verifies, for the lookup draft sources (one row set "
                         "each)")
+    parser.add_argument("--datastores", nargs="+", default=["adapter"], metavar="{adapter,none,FILE}",
+                        help="lookup-draft datastores for the lookup draft sources (one row set each; rows with one "
+                        "are suffixed -ds when several are given): the model's own (adapter, the default: the one "
+                        "the adapter ships, if any), none, or a datastore file (hf-tidar datastore)")
     parser.add_argument("--draft-dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
                         help="with --cpu-linears and float32: bfloat16 also runs every TiDAR row on a copy of the model "
                         "whose [MASK] rows (drafts) multiply in bfloat16 (AVX-512 BF16 CPUs), rows suffixed -bf16-drafts")
@@ -128,6 +132,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
         cpu_linears=args.cpu_linears,
         draft_sources=args.draft_source,
         lookup_lengths=args.lookup_length,
+        datastores=args.datastores,
         first_group_layouts=args.first_group_layouts,
         draft_dtypes=args.draft_dtypes,
     )

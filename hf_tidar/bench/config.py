@@ -41,6 +41,8 @@ class BenchConfig:
     draft_sources: list[str] = field(default_factory=lambda: ["diffusion"])
     first_group_layouts: bool = False  # also run each k with pre-draft group 1 only
     lookup_lengths: list[int] = field(default_factory=lambda: [DEFAULT_LOOKUP_LENGTH])  # per lookup source
+    # per lookup source: the model's own datastore ("adapter"), "none", or a datastore file
+    datastores: list[str] = field(default_factory=lambda: ["adapter"])
     draft_dtypes: list[str] = field(default_factory=lambda: ["float32"])  # bfloat16: [MASK] rows in bf16 (CPU)
 
     def validate(self) -> None:

@@ -81,9 +81,20 @@ def _source_variants(config: BenchConfig) -> list[tuple[str, dict]]:
             continue
         lengths = sorted(set(config.lookup_lengths))
         for length in lengths:
-            suffix = f"-{source.replace('_', '-')}" + (f"-L{length}" if len(lengths) > 1 else "")
-            variants.append((suffix, {"draft_source": source, "lookup_length": length}))
+            for store in config.datastores:
+                suffix = f"-{source.replace('_', '-')}" + (f"-L{length}" if len(lengths) > 1 else "")
+                suffix += "-ds" if len(config.datastores) > 1 and store != "none" else ""
+                variants.append((suffix, {"draft_source": source, "lookup_length": length,
+                                          **_datastore_kwargs(store)}))
     return variants
+
+
+def _datastore_kwargs(store: str) -> dict:
+    """``generate`` kwargs for a ``--datastores`` value: the model's own datastore (``adapter``: none passed),
+    none at all, or the file at a path."""
+    if store == "adapter":
+        return {}
+    return {"datastore": False if store == "none" else store}
 
 
 @register_method("tidar")

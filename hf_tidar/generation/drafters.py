@@ -1,16 +1,18 @@
-"""Draft sources that need no training: prompt lookup, and the choice between it and the diffusion slots.
+"""Draft sources that need no training: prompt lookup, a datastore, and the choice between them and the
+diffusion slots.
 
 TiDAR verifies whatever drafts it is given, so any source keeps the output exact; a better source only
 commits more tokens per pass. Prompt lookup (Saxena 2023; transformers' ``PromptLookupCandidateGenerator``)
 proposes the tokens that followed the most recent earlier occurrence of the sequence's last n-gram: on
 code and on answers that quote the prompt it is often right several tokens in a row, where a small
-model's one-step diffusion draft is not.
+model's one-step diffusion draft is not. A :class:`.datastore.DraftDatastore` extends the lookup to a
+corpus of the model's own text.
 
 :class:`DiffusionDrafter` and :class:`LookupDrafter` turn each source's proposal into a :class:`Drafts`
 block. :class:`NgramIndex` keeps, per row, every n-gram's most recent continuation in a dict updated as tokens
 are emitted, so a lookup is a few dict reads instead of a scan of the sequence. :class:`SourceChooser`
 keeps the running mean of accepted drafts per source and picks, per pass, the source expected to commit
-more (a lookup is only a candidate when it found a match).
+more (a lookup is only a candidate when it found a match; a datastore proposal brings its own prediction).
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from .acceptance import Scorer, choose
+from .datastore import DraftDatastore
 
 DRAFT_SOURCES = ("diffusion", "prompt_lookup", "best")
-"""``draft_source`` values: diffusion slots only; prompt lookup where it matches (diffusion elsewhere);
-per pass the one with the higher expected accepted length."""
+"""``draft_source`` values: diffusion slots only; lookup where it matches (the context first, then a datastore
+when one is given; diffusion elsewhere); per pass the source with the higher expected accepted length."""
 
 DEFAULT_LOOKUP_LENGTH = 4
 """Most prompt-lookup drafts one pass verifies (``lookup_length``); the prompt-lookup baseline of our
@@ -64,6 +67,9 @@ PRIOR_ACCEPTED = {"diffusion": 0.5, "prompt_lookup": 1.0}
 PRIOR_PASSES = 2.0
 """How many passes that assumption weighs against the ones observed."""
 
+LOOKUP_SOURCES = ("prompt_lookup", "datastore")
+"""Sources whose passes only verify: their drafts need no mask group, and they propose the next block again."""
+
 
 class SourceChooser:
     """Running mean of accepted drafts per source, with a prior that lets each be tried.
@@ -72,6 +78,11 @@ class SourceChooser:
     (seconds of a pass for each source, as the auto layout measures them), the one expected to commit
     more tokens per second wins: a lookup pass verifies drafts only and is cheaper than a diffusion pass
     with its mask groups, so a lookup that is right a little less often can still be the faster choice.
+
+    A datastore proposal comes with its own prediction (calibrated on the datastore's corpus, per match
+    order and agreement); the chooser scales it by how the datastore's predictions have fared in this
+    decode so far (observed over predicted accepted drafts, starting from 1), since a corpus predicts its
+    own kind of text better than the user's.
     """
 
     def __init__(self, priors: dict[str, float] | None = None,
@@ -80,23 +91,34 @@ class SourceChooser:
         self.accepted = {source: 0.0 for source in self.priors}
         self.passes = {source: 0 for source in self.priors}
         self.pass_cost = pass_cost
+        self.predicted = 0.0  # datastore drafts predicted to be accepted, over its observed passes
+        self.retrieved = 0.0  # datastore drafts accepted in those passes
 
-    def expected(self, source: str) -> float:
-        """Expected drafts accepted per pass (beyond the verifier's own first token)."""
+    def expected(self, source: str, predicted: float | None = None) -> float:
+        """Expected drafts accepted per pass (beyond the verifier's own first token); ``predicted``: the
+        datastore proposal's own prediction."""
+        if predicted is not None:
+            return predicted * (self.retrieved + PRIOR_PASSES) / (self.predicted + PRIOR_PASSES)
         prior = self.priors[source] * PRIOR_PASSES
         return (self.accepted[source] + prior) / (self.passes[source] + PRIOR_PASSES)
 
-    def rate(self, source: str) -> float:
+    def rate(self, source: str, predicted: float | None = None) -> float:
         """Expected tokens per pass (the verifier's own plus accepted drafts), per second when costs are known."""
-        tokens = 1.0 + self.expected(source)
+        tokens = 1.0 + self.expected(source, predicted)
         return tokens / self.pass_cost(source) if self.pass_cost else tokens
 
-    def prefers_lookup(self) -> bool:
-        """Whether a found prompt-lookup match should be drafted instead of the diffusion slots."""
-        return self.rate("prompt_lookup") >= self.rate("diffusion")
+    def pick(self, candidates: dict[str, float | None]) -> str:
+        """The source, among ``candidates`` (source -> its proposal's own prediction, or ``None``), expected to
+        commit the most (per second, with costs); ties go to the first."""
+        return max(candidates, key=lambda source: self.rate(source, candidates[source]))
 
-    def observe(self, source: str, accepted: int) -> None:
-        """Record a pass whose drafts from ``source`` had ``accepted`` of them accepted."""
+    def observe(self, source: str, accepted: int, predicted: float | None = None) -> None:
+        """Record a pass whose drafts from ``source`` had ``accepted`` of them accepted (``predicted``: what
+        the datastore had predicted for them)."""
+        if predicted is not None:
+            self.predicted += predicted
+            self.retrieved += accepted
+            return
         self.accepted[source] += accepted
         self.passes[source] += 1
 
@@ -108,6 +130,7 @@ class Drafts:
     tokens: list[int]
     scores: torch.Tensor | None  # [m, V]; row 0 unused (d_0 came from the verifier); None: greedy drafts
     source: str = "diffusion"
+    predicted: float | None = None  # a datastore proposal's predicted accepted drafts
 
 
 def runner_up(scores: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -183,9 +206,8 @@ class DiffusionDrafter:
 
 
 class LookupDrafter:
-    """Prompt-lookup drafts: the continuation of the context's last n-gram, where it occurred before."""
-
-    source = "prompt_lookup"
+    """Drafts from lookup: the continuation of the context's last n-gram where it occurred before in the
+    context (prompt lookup), or in a :class:`.datastore.DraftDatastore` corpus."""
 
     def __init__(self, vocab_size: int, do_sample: bool, device: torch.device):
         self.vocab_size = vocab_size
@@ -193,14 +215,23 @@ class LookupDrafter:
         self.device = device
 
     def propose(self, ngrams: NgramIndex, first: int, count: int) -> Drafts | None:
-        """Up to ``count`` drafts after ``d_0 = first`` (``None``: no match). Proposals are deterministic,
-        so their draft distribution ``q`` is one-hot: what speculative sampling needs (greedy
-        verification needs none)."""
-        proposal = ngrams.propose(count)
+        """Up to ``count`` drafts after ``d_0 = first`` from the context (``None``: no match)."""
+        return self._drafts(first, ngrams.propose(count), "prompt_lookup")
+
+    def retrieve(self, datastore: DraftDatastore, context: list[int], first: int, count: int) -> Drafts | None:
+        """Up to ``count`` drafts after ``d_0 = first`` (the last token of ``context``) from ``datastore``."""
+        proposal = datastore.propose(context[-datastore.max_ngram:], count)
+        if proposal is None:
+            return None
+        return self._drafts(first, proposal.tokens, "datastore", proposal.expected)
+
+    def _drafts(self, first: int, proposal: list[int], source: str, predicted: float | None = None) -> Drafts | None:
+        """Proposals are deterministic, so their draft distribution ``q`` is one-hot: what speculative
+        sampling needs (greedy verification needs none)."""
         if not proposal:
             return None
         scores = None
         if self.do_sample:
             scores = torch.full((len(proposal) + 1, self.vocab_size), float("-inf"), device=self.device)
             scores[torch.arange(1, len(proposal) + 1), torch.tensor(proposal)] = 0.0
-        return Drafts([first, *proposal], scores, source=self.source)
+        return Drafts([first, *proposal], scores, source, predicted)

@@ -5,6 +5,7 @@ The loop itself is :class:`.tidar_decoder.TidarDecoder`.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -13,6 +14,7 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 from .._warning_stacklevel import user_stacklevel
 from ..cpu import rows_are_call_invariant
 from .auto_plan import AutoDraftPlan
+from .datastore import DraftDatastore
 from .draft_plan import DraftPlan
 from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES
 from .processors import refuse_stateful
@@ -32,6 +34,7 @@ def tidar_decode(
     verifier_weight: float = 1.0,
     draft_source: str | None = None,
     lookup_length: int = DEFAULT_LOOKUP_LENGTH,
+    datastore: DraftDatastore | str | os.PathLike | bool | None = None,
     **model_kwargs,
 ):
     """The ``generate(strategy="tidar")`` loop (transformers calls it through ``custom_generate``).
@@ -53,6 +56,10 @@ def tidar_decode(
         lookup_length: the most prompt-lookup drafts one pass verifies (default 4). A pass whose drafts all
             come from lookup computes no mask group (it verifies only, at the cost of a prompt-lookup pass);
             the next pass drafts by lookup again, or by the diffusion slots from the verified token on.
+        datastore: a :class:`.datastore.DraftDatastore` (or the path of one saved) that lookup drafts from
+            where the context has no match, and ``"best"`` weighs against the other sources per pass (default:
+            ``model.draft_datastore``, which loading an adapter that ships one sets; ``False``: none). Used by
+            the lookup sources only; like every source it changes the speed, never the output.
     """
     if draft_source is None:
         draft_source = "best" if draft_layout == "auto" and verifier_weight == 1.0 else "diffusion"
@@ -60,6 +67,7 @@ def tidar_decode(
         raise ValueError(f"draft_source must be one of {', '.join(map(repr, DRAFT_SOURCES))}, got {draft_source!r}.")
     if not isinstance(lookup_length, int) or isinstance(lookup_length, bool) or lookup_length < 1:
         raise ValueError(f"lookup_length must be a positive integer (drafts per lookup pass), got {lookup_length!r}.")
+    datastore = resolve_datastore(model, datastore, draft_source)
     refuse_stateful(logits_processor, "tidar")
     if not 0.0 <= verifier_weight <= 1.0:
         raise ValueError(f"verifier_weight must be in [0, 1] (1 = exact AR verification), got {verifier_weight}.")
@@ -82,9 +90,37 @@ def tidar_decode(
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
     decoder = TidarDecoder(model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
-                           streamer, layout, verifier_weight, draft_source, lookup_length)
+                           streamer, layout, verifier_weight, draft_source, lookup_length, datastore)
     decoder.run(input_ids)
     return decoder.result(input_ids.shape[1])
+
+
+def resolve_datastore(model, datastore, draft_source: str) -> DraftDatastore | None:
+    """The call's datastore: the one given (a path is loaded once per model), else the model's own."""
+    if datastore is False:
+        return None
+    explicit = datastore is not None
+    if datastore is None:
+        datastore = getattr(model, "draft_datastore", None)
+    if datastore is None:
+        return None
+    if explicit and draft_source == "diffusion":
+        raise ValueError("datastore drafts are used by draft_source='prompt_lookup' or 'best'; with "
+                         "draft_source='diffusion' it would be ignored. Pass one of those sources.")
+    if isinstance(datastore, (str, os.PathLike)):
+        loaded = getattr(model, "_tidar_loaded_datastores", {})
+        key = os.path.realpath(datastore)
+        if key not in loaded:
+            loaded[key] = DraftDatastore.load(datastore)
+            model._tidar_loaded_datastores = loaded
+        datastore = loaded[key]
+    if not isinstance(datastore, DraftDatastore):
+        raise TypeError(f"datastore must be a DraftDatastore or the path of a saved one, got {type(datastore).__name__}.")
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if int(datastore.tokens.max()) >= vocab_size:
+        raise ValueError(f"the datastore holds token id {int(datastore.tokens.max())}, beyond this model's vocabulary "
+                         f"({vocab_size}): it was built with another tokenizer. Build it from this model's tokens.")
+    return datastore
 
 
 def _warn_if_rounding_differs(model, generation_config, query_rows: int) -> None:

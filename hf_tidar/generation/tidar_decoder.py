@@ -28,9 +28,11 @@ from ..cpu.attention import ATTN_IMPLEMENTATION as ROW_INVARIANT_ATTENTION
 from ..masks import DecodeMaskBuffer, StepMaskTemplate, positions_from_padding, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
 from .auto_plan import AutoDraftPlan
+from .datastore import DraftDatastore
 from .draft_plan import DraftPlan, verification_plan
 from .drafters import (
     DEFAULT_LOOKUP_LENGTH,
+    LOOKUP_SOURCES,
     DiffusionDrafter,
     Drafts,
     LookupDrafter,
@@ -84,7 +86,7 @@ class TidarDecoder:
 
     def __init__(self, model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
                  streamer, layout: DraftPlan | AutoDraftPlan, verifier_weight: float, draft_source: str = "diffusion",
-                 lookup_length: int = DEFAULT_LOOKUP_LENGTH):
+                 lookup_length: int = DEFAULT_LOOKUP_LENGTH, datastore: DraftDatastore | None = None):
         self.model = model
         self.mask_id = model.require_mask_token_id()
         self.scorer = Scorer(logits_processor, input_ids.shape[0])
@@ -116,6 +118,7 @@ class TidarDecoder:
         self.diffusion = DiffusionDrafter(self.scorer, self.mask_id, self.do_sample)
         vocab_size = model.get_output_embeddings().weight.shape[0]
         self.lookup = LookupDrafter(vocab_size, self.do_sample, self.device)
+        self.datastore = datastore if draft_source != "diffusion" else None
         self.chooser = SourceChooser()
         # A pass whose drafts all come from prompt lookup verifies up to lookup_length of them and drafts
         # nothing: no mask group, so it costs what a prompt-lookup pass of transformers costs. The mixed
@@ -132,7 +135,7 @@ class TidarDecoder:
 
     def _source_pass_cost(self, source: str) -> float:
         """Measured seconds of the next pass with drafts from ``source`` (under ``draft_layout="auto"``)."""
-        if source == "prompt_lookup":
+        if source in LOOKUP_SOURCES:
             return self.auto.lookup_pass_cost(self.lookup_length)
         return self.auto.step_cost(self.layout)
 
@@ -164,20 +167,36 @@ class TidarDecoder:
 
     def next_block(self, row: Row, first: int, slot_logits: torch.Tensor | None,
                    slot_tokens: list[int] | None = None) -> Drafts:
-        """The row's drafts after ``d_0 = first``: a prompt-lookup continuation where the draft source allows
-        one and it is expected to commit more, else the diffusion slots (``slot_tokens``: already chosen
-        greedily, instead of ``slot_logits``)."""
-        wants_lookup = self.draft_source == "prompt_lookup" or (
-            self.draft_source == "best" and self.chooser.prefers_lookup())
-        if row.ngrams is not None and wants_lookup:
-            # A full block whatever the group: lookup does not need the slots (a layout with few groups
-            # leaves short diffusion blocks after long acceptances, a lookup match fills them).
-            drafts = self.lookup.propose(row.ngrams, first, self.lookup_length or self.layout.draft_len - 1)
-            if drafts is not None:
-                return drafts
+        """The row's drafts after ``d_0 = first``: a lookup continuation (the context's, then the datastore's)
+        where the draft source allows one and it is expected to commit more, else the diffusion slots
+        (``slot_tokens``: already chosen greedily, instead of ``slot_logits``)."""
+        lookups = self._lookup_blocks(row, first)
+        if lookups and self.draft_source == "prompt_lookup":
+            return lookups[0]
+        if lookups:
+            candidates = {drafts.source: drafts.predicted for drafts in lookups}
+            slots = len(slot_tokens) if slot_tokens is not None else 0 if slot_logits is None else slot_logits.shape[0]
+            if slots:  # the diffusion slots are a candidate only when they draft something
+                candidates["diffusion"] = None
+            source = self.chooser.pick(candidates)
+            if source != "diffusion":
+                return next(drafts for drafts in lookups if drafts.source == source)
         if slot_tokens is not None:
             return Drafts([first, *slot_tokens], None)
         return self.diffusion.propose(row.index, row.sequence, first, slot_logits)
+
+    def _lookup_blocks(self, row: Row, first: int) -> list[Drafts]:
+        """The row's lookup proposals after ``d_0 = first``: the context's match, then the datastore's.
+
+        Always a full block whatever the group: lookup does not need the slots (a layout with few groups
+        leaves short diffusion blocks after long acceptances, a lookup match fills them)."""
+        if row.ngrams is None:
+            return []
+        count = self.lookup_length or self.layout.draft_len - 1
+        blocks = [self.lookup.propose(row.ngrams, first, count)]
+        if self.datastore is not None:
+            blocks.append(self.lookup.retrieve(self.datastore, row.ngrams.tokens, first, count))
+        return [drafts for drafts in blocks if drafts is not None]
 
     # -- verification ---------------------------------------------------------------------------------
 
@@ -300,7 +319,7 @@ class TidarDecoder:
     def pass_plan(self, drafts: list[Drafts]) -> DraftPlan:
         """This pass's layout: verification only when every row drafted by prompt lookup, else the
         decode's layout (whose groups pre-draft the next block)."""
-        if self.lookup_length and all(d.source == "prompt_lookup" for d in drafts):
+        if self.lookup_length and all(d.source in LOOKUP_SOURCES for d in drafts):
             return verification_plan(max(len(d.tokens) for d in drafts))
         return self.layout
 
@@ -341,7 +360,7 @@ class TidarDecoder:
             row.accepted.append(count)
             emitted.append(count)
             if not row.finished:  # a stop cuts a pass short: not a rejection
-                self.chooser.observe(drafts[index].source, count - 1)
+                self.chooser.observe(drafts[index].source, count - 1, drafts[index].predicted)
                 if self.auto and layout.groups:
                     self.auto.observe(len(drafts[index].tokens), count)
                 elif self.auto:  # a verification-only pass: every row drafted by prompt lookup

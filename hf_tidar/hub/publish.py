@@ -23,7 +23,7 @@ from .cards import CARD_FILE, DEFAULT_STRATEGY, CardInputs, check_card, check_hu
 from .saved_folder import detect_kind
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "tidar_gate.json")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "tidar_gate.json", "datastore.npz")
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
@@ -67,8 +67,8 @@ def plan_upload(
     * full models: safetensors weights, ``config.json``, ``generation_config.json`` (with ``strategy`` set,
       default the model kind's own: ``tidar`` / ``cdlm``), the tokenizer files and ``README.md``;
     * adapters: ``adapter_config.json`` (with the gated marker, ``hf_tidar.adapter_format``, even if the folder's
-      own file predates it), ``adapter_model.safetensors``, ``tidar_gate.json``, tokenizer files if present, and
-      ``README.md``;
+      own file predates it), ``adapter_model.safetensors``, ``tidar_gate.json``, its lookup-draft ``datastore.npz``
+      and tokenizer files if present, and ``README.md``;
     * a folder without ``README.md`` gets a rendered card (:func:`render_card`) in the commit.
 
     Raises:

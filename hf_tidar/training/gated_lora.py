@@ -47,6 +47,8 @@ from .mask_gate import install_mask_gate, tidar_model_of
 
 GATE_FILE = "tidar_gate.json"
 """Written next to ``adapter_config.json``: mask token, block size and the base model's architecture."""
+DATASTORE_FILE = "datastore.npz"
+"""An adapter folder's optional lookup-draft datastore (:class:`hf_tidar.generation.datastore.DraftDatastore`)."""
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDING_TARGET = "embed_tokens"
@@ -283,6 +285,8 @@ def load_tidar_adapter(ar_model, adapter_folder: str | os.PathLike, tokenizer=No
     """An AR checkpoint + a gated adapter folder -> a lossless TiDAR model.
 
     ``model.generate(ids, strategy="tidar")`` then equals the AR model's greedy output token for token.
+    A ``datastore.npz`` in the folder (``hf-tidar datastore``) becomes the model's ``draft_datastore``,
+    which lookup drafts (``draft_source="prompt_lookup"`` or ``"best"``) read.
 
     Args:
         lean: return the adapter's inference form (:func:`hf_tidar.adapters.to_lean`): a plain
@@ -296,6 +300,12 @@ def load_tidar_adapter(ar_model, adapter_folder: str | os.PathLike, tokenizer=No
         from ..adapters.lean import to_lean
 
         model = to_lean(model).eval()
+    datastore = Path(adapter_folder) / DATASTORE_FILE
+    if datastore.is_file():  # lookup drafts of draft_source="prompt_lookup" / "best" read it
+        from ..generation.datastore import DraftDatastore
+
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        inner.draft_datastore = DraftDatastore.load(datastore)
     return model
 
 
