@@ -10,7 +10,14 @@ from toy import tiny_ar_model
 
 from hf_tidar import TidarForCausalLM
 from hf_tidar.generation.datastore import DraftDatastore
-from hf_tidar.generation.drafters import SourceChooser
+from hf_tidar.generation.drafters import (
+    DEFAULT_LOOKUP_LENGTH,
+    Drafts,
+    SourceChooser,
+    drafts_worth_verifying,
+    truncated,
+)
+from hf_tidar.generation.tidar_decoder import TidarDecoder
 from hf_tidar.prompt_encoding import left_pad
 
 CORPUS = [[1, 2, 3, 4, 5], [9, 2, 3, 7, 8], [0, 2, 3, 7, 8], [6, 3, 7]]
@@ -190,3 +197,55 @@ def test_the_datastore_command_builds_a_calibrated_store_from_distilled_rows(tmp
     assert store.calibration[:, 2].tolist() == [4.0, 3.0, 2.0, 1.0]
     assert main(args) == 1 and "--overwrite" in capsys.readouterr().err
     assert main([*args, "--overwrite"]) == 0
+
+
+# -- how many drafts a datastore proposal keeps ----------------------------------------------------------
+
+
+def test_drafts_are_kept_while_their_chance_of_being_reached_pays_for_a_row():
+    assert drafts_worth_verifying(0.2, 4, 0.08) == 1  # rho = 1/6: a second draft is reached 3% of the time
+    assert drafts_worth_verifying(0.5, 4, 0.08) == 2  # rho = 1/3: 11% for the second, 4% for the third
+    assert drafts_worth_verifying(2.5, 4, 0.08) == 4  # rho = 5/7: even the fourth is reached 26% of the time
+    assert drafts_worth_verifying(2.5, 4, 0.3) == 3 and drafts_worth_verifying(2.5, 4, 0.0) == 4
+    assert drafts_worth_verifying(0.0, 4, 0.08) == 1  # at least one: the proposal was chosen to be drafted
+    counts = [drafts_worth_verifying(expected / 10, 6, 0.08) for expected in range(60)]
+    assert counts == sorted(counts)  # more expected, never fewer drafts
+
+
+def test_a_truncated_proposal_keeps_its_first_drafts_and_their_share_of_the_prediction():
+    scores = torch.zeros(5, 7)
+    drafts = Drafts([4, 1, 2, 3, 5], scores, "datastore", predicted=1.0)  # rho = 1/2
+    cut = truncated(drafts, 2)
+    assert cut.tokens == [4, 1, 2] and cut.scores.shape == (3, 7) and cut.source == "datastore"
+    assert cut.predicted == pytest.approx((1 / 2 + 1 / 4) / (1 / 2 + 1 / 4 + 1 / 8 + 1 / 16))
+    assert truncated(drafts, 4) is drafts
+
+
+def _retrieved_lengths(monkeypatch) -> list[int]:
+    """Record the drafts of every datastore proposal the decoder keeps."""
+    lengths, retrieve = [], TidarDecoder._retrieve
+
+    def spy(self, *args):
+        drafts = retrieve(self, *args)
+        if drafts is not None:
+            lengths.append(len(drafts.tokens) - 1)
+        return drafts
+
+    monkeypatch.setattr(TidarDecoder, "_retrieve", spy)
+    return lengths
+
+
+@pytest.mark.parametrize("calibrated", [0.3, 3.0])
+def test_a_proposal_drafts_as_far_as_its_prediction_pays_and_learns_from_what_is_accepted(
+        wandering_model, monkeypatch, calibrated):
+    prompt = torch.tensor([[3, 17, 40, 8]])
+    ar, store = _own_text(wandering_model, prompt, torch.ones_like(prompt))
+    store.calibration = np.full((store.max_ngram, 3), calibrated)
+    lengths = _retrieved_lengths(monkeypatch)
+    with torch.no_grad():
+        out = wandering_model.generate(prompt, strategy="tidar", draft_source="best", datastore=store, **SETTINGS)
+    assert torch.equal(out, ar)
+    if calibrated < 1:  # a pessimistic store starts with one draft, then drafts more as every draft is accepted
+        assert lengths[0] == 1 and max(lengths) > 1
+    else:
+        assert lengths[0] == DEFAULT_LOOKUP_LENGTH

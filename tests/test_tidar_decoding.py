@@ -266,6 +266,13 @@ def test_auto_layout_charges_the_lm_head_for_every_projected_row():
     assert chooser.choose().draft_len < free_head.choose().draft_len
 
 
+def test_auto_layout_prices_a_verified_row_from_the_measured_curve():
+    costs = {1: 2.0, 2: 2.2, 4: 2.6, 8: 3.4}  # each row beyond the first adds 10% of a one-row pass
+    assert AutoDraftPlan(costs, 4).verification_row_cost() == pytest.approx(0.1)
+    assert AutoDraftPlan(costs, 4, lm_head_row_cost=0.2).verification_row_cost() == pytest.approx(0.125)  # row 5
+    assert AutoDraftPlan({q: 1.0 for q in (1, 2, 4, 8)}, 4).verification_row_cost() == 0.0  # a GPU: rows are free
+
+
 def test_auto_layout_prices_a_timed_pass_by_its_timing_over_the_sum_of_parts():
     flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}
     timed = {DraftPlan(2, (1,)): 3.0, DraftPlan(3, (1,)): 1.5}  # the shorter pass measured slower

@@ -214,6 +214,13 @@ class AutoDraftPlan:
         """Seconds of a prompt-lookup pass: verification only, the verified token and ``lookup_length`` drafts."""
         return self.step_cost(verification_plan(1 + lookup_length))
 
+    def verification_row_cost(self, rows: int = 4) -> float:
+        """A verified row's cost, as a share of a one-row pass: the mean over the ``rows`` rows a lookup pass
+        verifies beyond its first. A decode commits about a token per one-row pass's time, so this is also
+        roughly the tokens a draft must be expected to bring in to be worth its row."""
+        one_row = self.step_cost(verification_plan(1))
+        return max(self.step_cost(verification_plan(1 + rows)) - one_row, 0.0) / rows / one_row
+
     def tokens_per_second(self, layout: DraftPlan, lookup_length: int | None = None) -> float:
         """Expected tokens per second of ``layout`` under the current statistics; with ``lookup_length``, in a
         decode whose passes draft by prompt lookup (up to ``lookup_length`` drafts) at the observed share."""

@@ -70,6 +70,11 @@ PRIOR_PASSES = 2.0
 LOOKUP_SOURCES = ("prompt_lookup", "datastore")
 """Sources whose passes only verify: their drafts need no mask group, and they propose the next block again."""
 
+ROW_COST = 0.08
+"""A verification row's cost in tokens, when the decode has no measured costs: the accepted tokens a draft must
+be expected to bring in to be worth its row. On the 2-core CPUs measured, each row a pass verifies beyond the
+first adds 5-9% of a one-row step, and a decode commits about one token per one-row step's time."""
+
 
 class SourceChooser:
     """Running mean of accepted drafts per source, with a prior that lets each be tried.
@@ -131,6 +136,34 @@ class Drafts:
     scores: torch.Tensor | None  # [m, V]; row 0 unused (d_0 came from the verifier); None: greedy drafts
     source: str = "diffusion"
     predicted: float | None = None  # a datastore proposal's predicted accepted drafts
+
+
+def drafts_worth_verifying(expected: float, available: int, row_cost: float) -> int:
+    """How many leading drafts of a proposal expected to get ``expected`` of its drafts accepted earn their rows.
+
+    With a constant chance ``rho`` that a draft is accepted given the earlier ones, ``expected = rho / (1 - rho)``
+    for a long proposal, and draft ``j`` brings in a token with probability ``rho ** j``: it is kept while that is
+    at least ``row_cost``. At least one draft is kept (the proposal was chosen to be drafted)."""
+    rho = max(expected, 0.0) / (1.0 + max(expected, 0.0))
+    count = 1
+    while count < available and rho ** (count + 1) >= row_cost:
+        count += 1
+    return count
+
+
+def truncated(drafts: Drafts, count: int) -> Drafts:
+    """``drafts`` with only its first ``count`` drafts (after ``d_0``), its prediction scaled to the share the
+    kept drafts carry under :func:`drafts_worth_verifying`'s model."""
+    total = len(drafts.tokens) - 1
+    if count >= total:
+        return drafts
+    predicted = drafts.predicted
+    if predicted is not None:
+        rho = max(predicted, 0.0) / (1.0 + max(predicted, 0.0))
+        share = sum(rho ** j for j in range(1, count + 1)) / max(sum(rho ** j for j in range(1, total + 1)), 1e-12)
+        predicted *= share
+    scores = drafts.scores[: count + 1] if drafts.scores is not None else None
+    return Drafts(drafts.tokens[: count + 1], scores, drafts.source, predicted)
 
 
 def runner_up(scores: torch.Tensor, best: torch.Tensor) -> torch.Tensor:

@@ -33,12 +33,15 @@ from .draft_plan import DraftPlan, verification_plan
 from .drafters import (
     DEFAULT_LOOKUP_LENGTH,
     LOOKUP_SOURCES,
+    ROW_COST,
     DiffusionDrafter,
     Drafts,
     LookupDrafter,
     NgramIndex,
     SourceChooser,
+    drafts_worth_verifying,
     runner_up,
+    truncated,
 )
 from .stopping import TokenStopper
 from .tidar_output import decode_result
@@ -126,6 +129,8 @@ class TidarDecoder:
         self.lookup_length = lookup_length if not self.mixed else None
         if self.auto and self.lookup_length:  # choose sources by tokens per second under the measured costs
             self.chooser.pass_cost = self._source_pass_cost
+        # What a verified row costs, in tokens: datastore proposals keep only the drafts expected to earn it.
+        self.row_cost = self.auto.verification_row_cost() if self.auto else ROW_COST
         # The planner prices layouts with the share of lookup passes when lookup may draft.
         self.planned_lookup = self.lookup_length if draft_source != "diffusion" else None
         self.layout = self.auto.choose(self.planned_lookup) if self.auto else layout
@@ -195,8 +200,18 @@ class TidarDecoder:
         count = self.lookup_length or self.layout.draft_len - 1
         blocks = [self.lookup.propose(row.ngrams, first, count)]
         if self.datastore is not None:
-            blocks.append(self.lookup.retrieve(self.datastore, row.ngrams.tokens, first, count))
+            blocks.append(self._retrieve(row, first, count))
         return [drafts for drafts in blocks if drafts is not None]
+
+    def _retrieve(self, row: Row, first: int, count: int) -> Drafts | None:
+        """The datastore's proposal, cut to the drafts whose chance of being reached pays for their rows: most
+        of its proposals are weak (a 1-gram match whose continuations disagree gets 0.1-0.2 drafts accepted),
+        and each draft verified costs a row whether or not it is reached."""
+        drafts = self.lookup.retrieve(self.datastore, row.ngrams.tokens, first, count)
+        if drafts is None:
+            return None
+        expected = self.chooser.expected("datastore", drafts.predicted)
+        return truncated(drafts, drafts_worth_verifying(expected, len(drafts.tokens) - 1, self.row_cost))
 
     # -- verification ---------------------------------------------------------------------------------
 
