@@ -7,7 +7,14 @@ from toy import tiny_ar_model
 
 from hf_tidar import TidarForCausalLM
 from hf_tidar.generation import auto_plan
-from hf_tidar.generation.drafters import DiffusionDrafter, NgramIndex, SourceChooser, runner_up
+from hf_tidar.generation.drafters import (
+    DEFAULT_LOOKUP_LENGTH,
+    DiffusionDrafter,
+    MatchOrderStats,
+    NgramIndex,
+    SourceChooser,
+    runner_up,
+)
 from hf_tidar.prompt_encoding import left_pad
 
 
@@ -186,3 +193,41 @@ def test_greedy_decoding_drafts_through_the_repeat_rule_and_stays_exact(counting
     # Every block of drafts (after the prefill, and after every pass but the last) came through the rule.
     assert len(calls) >= passes and sum(map(len, calls)) >= 2 * passes
     assert torch.equal(tidar.sequences, counting_model.generate(prompt, max_new_tokens=16, do_sample=False, **processors))
+
+
+def test_ngram_index_reports_the_order_of_its_match():
+    assert NgramIndex([1, 2, 3, 9, 2, 3]).match(2) == ([9, 2], 2)  # "9 2 3" is new, "2 3" was followed by 9 2
+    assert NgramIndex([1, 2]).match(3) == ([], 0)
+
+
+def test_match_order_stats_learn_each_orders_acceptance_even_from_cut_proposals():
+    stats = MatchOrderStats()
+    assert stats.expected(1) == stats.expected(3) == 2.0  # the prior: a draft accepted 2 times in 3
+    for _ in range(20):
+        stats.observe(1, 0, 1)  # one draft, rejected
+        stats.observe(3, 2, 2)  # two drafts, both accepted: a cut proposal says nothing against the order
+    assert stats.expected(1) == pytest.approx(2 / 21) and stats.expected(3) == 42.0
+
+
+def test_context_matches_are_cut_to_what_their_order_earns_and_stay_exact(looping_model, monkeypatch):
+    from hf_tidar.generation.tidar_decoder import TidarDecoder
+
+    prompt = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4]])
+    settings = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    lengths, match = [], TidarDecoder._context_match
+
+    def spy(self, *args):
+        drafts = match(self, *args)
+        if drafts is not None:
+            lengths.append(len(drafts.tokens) - 1)
+        return drafts
+
+    monkeypatch.setattr(TidarDecoder, "_context_match", spy)
+    with torch.no_grad():
+        ar = looping_model.generate(prompt, **settings)
+        trusted = looping_model.generate(prompt, strategy="tidar", draft_source="prompt_lookup", **settings)
+        assert torch.equal(trusted, ar) and max(lengths) == DEFAULT_LOOKUP_LENGTH
+        lengths.clear()
+        monkeypatch.setattr(MatchOrderStats, "PRIOR", (0.1, 10.0))  # every order starts as a poor guess
+        doubted = looping_model.generate(prompt, strategy="tidar", draft_source="prompt_lookup", **settings)
+    assert torch.equal(doubted, ar) and lengths[0] == 1

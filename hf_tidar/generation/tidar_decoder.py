@@ -37,6 +37,7 @@ from .drafters import (
     DiffusionDrafter,
     Drafts,
     LookupDrafter,
+    MatchOrderStats,
     NgramIndex,
     SourceChooser,
     drafts_worth_verifying,
@@ -123,6 +124,7 @@ class TidarDecoder:
         self.lookup = LookupDrafter(vocab_size, self.do_sample, self.device)
         self.datastore = datastore if draft_source != "diffusion" else None
         self.chooser = SourceChooser()
+        self.orders = MatchOrderStats()
         # A pass whose drafts all come from prompt lookup verifies up to lookup_length of them and drafts
         # nothing: no mask group, so it costs what a prompt-lookup pass of transformers costs. The mixed
         # verifier needs every group's first slot, so it keeps the full layout.
@@ -198,10 +200,19 @@ class TidarDecoder:
         if row.ngrams is None:
             return []
         count = self.lookup_length or self.layout.draft_len - 1
-        blocks = [self.lookup.propose(row.ngrams, first, count)]
+        blocks = [self._context_match(row, first, count)]
         if self.datastore is not None:
             blocks.append(self._retrieve(row, first, count))
         return [drafts for drafts in blocks if drafts is not None]
+
+    def _context_match(self, row: Row, first: int, count: int) -> Drafts | None:
+        """The context's lookup proposal, cut to the drafts that pay for their rows at the acceptance its match
+        order has had in this decode (a 1-gram match is mostly wrong, a 3-gram match mostly right)."""
+        drafts = self.lookup.propose(row.ngrams, first, count)
+        if drafts is None:
+            return None
+        expected = self.orders.expected(drafts.order)
+        return truncated(drafts, drafts_worth_verifying(expected, len(drafts.tokens) - 1, self.row_cost))
 
     def _retrieve(self, row: Row, first: int, count: int) -> Drafts | None:
         """The datastore's proposal, cut to the drafts whose chance of being reached pays for their rows: most
@@ -376,6 +387,8 @@ class TidarDecoder:
             emitted.append(count)
             if not row.finished:  # a stop cuts a pass short: not a rejection
                 self.chooser.observe(drafts[index].source, count - 1, drafts[index].predicted)
+                if drafts[index].source == "prompt_lookup":
+                    self.orders.observe(drafts[index].order, count - 1, len(drafts[index].tokens) - 1)
                 if self.auto and layout.groups:
                     self.auto.observe(len(drafts[index].tokens), count)
                 elif self.auto:  # a verification-only pass: every row drafted by prompt lookup
