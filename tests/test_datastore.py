@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from test_drafters import record_proposal_lengths
 from test_tidar_decoding import _chi_square_p_value, _first_tokens_histogram, tiny_vocab_model  # noqa: F401
 from toy import tiny_ar_model
 
@@ -17,7 +18,6 @@ from hf_tidar.generation.drafters import (
     drafts_worth_verifying,
     truncated,
 )
-from hf_tidar.generation.tidar_decoder import TidarDecoder
 from hf_tidar.prompt_encoding import left_pad
 
 CORPUS = [[1, 2, 3, 4, 5], [9, 2, 3, 7, 8], [0, 2, 3, 7, 8], [6, 3, 7]]
@@ -221,27 +221,13 @@ def test_a_truncated_proposal_keeps_its_first_drafts_and_their_share_of_the_pred
     assert truncated(drafts, 4) is drafts
 
 
-def _retrieved_lengths(monkeypatch) -> list[int]:
-    """Record the drafts of every datastore proposal the decoder keeps."""
-    lengths, retrieve = [], TidarDecoder._retrieve
-
-    def spy(self, *args):
-        drafts = retrieve(self, *args)
-        if drafts is not None:
-            lengths.append(len(drafts.tokens) - 1)
-        return drafts
-
-    monkeypatch.setattr(TidarDecoder, "_retrieve", spy)
-    return lengths
-
-
 @pytest.mark.parametrize("calibrated", [0.3, 3.0])
 def test_a_proposal_drafts_as_far_as_its_prediction_pays_and_learns_from_what_is_accepted(
         wandering_model, monkeypatch, calibrated):
     prompt = torch.tensor([[3, 17, 40, 8]])
     ar, store = _own_text(wandering_model, prompt, torch.ones_like(prompt))
     store.calibration = np.full((store.max_ngram, 3), calibrated)
-    lengths = _retrieved_lengths(monkeypatch)
+    lengths = record_proposal_lengths(monkeypatch, "_retrieve")
     with torch.no_grad():
         out = wandering_model.generate(prompt, strategy="tidar", draft_source="best", datastore=store, **SETTINGS)
     assert torch.equal(out, ar)

@@ -209,20 +209,26 @@ def test_match_order_stats_learn_each_orders_acceptance_even_from_cut_proposals(
     assert stats.expected(1) == pytest.approx(2 / 21) and stats.expected(3) == 42.0
 
 
-def test_context_matches_are_cut_to_what_their_order_earns_and_stay_exact(looping_model, monkeypatch):
+def record_proposal_lengths(monkeypatch, method: str) -> list[int]:
+    """Record the drafts of every proposal that ``TidarDecoder.<method>`` (a lookup source's) returns."""
     from hf_tidar.generation.tidar_decoder import TidarDecoder
 
-    prompt = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4]])
-    settings = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
-    lengths, match = [], TidarDecoder._context_match
+    lengths, propose = [], getattr(TidarDecoder, method)
 
     def spy(self, *args):
-        drafts = match(self, *args)
+        drafts = propose(self, *args)
         if drafts is not None:
             lengths.append(len(drafts.tokens) - 1)
         return drafts
 
-    monkeypatch.setattr(TidarDecoder, "_context_match", spy)
+    monkeypatch.setattr(TidarDecoder, method, spy)
+    return lengths
+
+
+def test_context_matches_are_cut_to_what_their_order_earns_and_stay_exact(looping_model, monkeypatch):
+    prompt = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4]])
+    settings = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    lengths = record_proposal_lengths(monkeypatch, "_context_match")
     with torch.no_grad():
         ar = looping_model.generate(prompt, **settings)
         trusted = looping_model.generate(prompt, strategy="tidar", draft_source="prompt_lookup", **settings)
