@@ -58,7 +58,8 @@ class DraftDatastore:
         if tokens.min() < SEPARATOR:
             raise ValueError(f"token ids must be >= 0 (and {SEPARATOR} between documents)")
         self.tokens = tokens
-        self.bits = max(1, int(tokens.max()).bit_length())
+        self.max_token = int(tokens.max())  # read at every generate call (the vocabulary check)
+        self.bits = max(1, self.max_token.bit_length())
         self.max_ngram = min(4, 64 // self.bits)
         self.calibration = calibration
         self._keys, self._positions = zip(*(self._index(n) for n in range(1, self.max_ngram + 1)), strict=True)
@@ -97,9 +98,9 @@ class DraftDatastore:
         order = np.argsort(keys[positions], kind="stable")  # stable: matches stay in corpus order
         return keys[positions][order], positions[order]
 
-    def _matches(self, context: Sequence[int], min_order: int = 1) -> tuple[np.ndarray, int]:
+    def _matches(self, context: Sequence[int]) -> tuple[np.ndarray, int]:
         """Continuation positions of the longest suffix n-gram of ``context`` found (and its order; 0: none)."""
-        for n in range(min(self.max_ngram, len(context)), min_order - 1, -1):
+        for n in range(min(self.max_ngram, len(context)), 0, -1):
             ngram = context[len(context) - n:]
             if any(token < 0 or token >> self.bits for token in ngram):
                 continue  # a token the corpus cannot hold

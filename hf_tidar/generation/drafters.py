@@ -171,13 +171,20 @@ class Drafts:
     order: int = 0  # a context lookup's match order
 
 
+def per_draft_acceptance(expected: float) -> float:
+    """The constant chance ``rho`` that a draft is accepted given the earlier ones, for a long proposal expected
+    to get ``expected`` drafts accepted (``expected = rho / (1 - rho)``)."""
+    expected = max(expected, 0.0)
+    return expected / (1.0 + expected)
+
+
 def drafts_worth_verifying(expected: float, available: int, row_cost: float) -> int:
     """How many leading drafts of a proposal expected to get ``expected`` of its drafts accepted earn their rows.
 
     With a constant chance ``rho`` that a draft is accepted given the earlier ones, ``expected = rho / (1 - rho)``
     for a long proposal, and draft ``j`` brings in a token with probability ``rho ** j``: it is kept while that is
     at least ``row_cost``. At least one draft is kept (the proposal was chosen to be drafted)."""
-    rho = max(expected, 0.0) / (1.0 + max(expected, 0.0))
+    rho = per_draft_acceptance(expected)
     count = 1
     while count < available and rho ** (count + 1) >= row_cost:
         count += 1
@@ -192,7 +199,7 @@ def truncated(drafts: Drafts, count: int) -> Drafts:
         return drafts
     predicted = drafts.predicted
     if predicted is not None:
-        rho = max(predicted, 0.0) / (1.0 + max(predicted, 0.0))
+        rho = per_draft_acceptance(predicted)
         share = sum(rho ** j for j in range(1, count + 1)) / max(sum(rho ** j for j in range(1, total + 1)), 1e-12)
         predicted *= share
     scores = drafts.scores[: count + 1] if drafts.scores is not None else None

@@ -117,8 +117,8 @@ def resolve_datastore(model, datastore, draft_source: str) -> DraftDatastore | N
     if not isinstance(datastore, DraftDatastore):
         raise TypeError(f"datastore must be a DraftDatastore or the path of a saved one, got {type(datastore).__name__}.")
     vocab_size = model.get_output_embeddings().weight.shape[0]
-    if int(datastore.tokens.max()) >= vocab_size:
-        raise ValueError(f"the datastore holds token id {int(datastore.tokens.max())}, beyond this model's vocabulary "
+    if datastore.max_token >= vocab_size:
+        raise ValueError(f"the datastore holds token id {datastore.max_token}, beyond this model's vocabulary "
                          f"({vocab_size}): it was built with another tokenizer. Build it from this model's tokens.")
     return datastore
 

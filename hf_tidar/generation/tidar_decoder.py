@@ -211,8 +211,7 @@ class TidarDecoder:
         drafts = self.lookup.propose(row.ngrams, first, count)
         if drafts is None:
             return None
-        expected = self.orders.expected(drafts.order)
-        return truncated(drafts, drafts_worth_verifying(expected, len(drafts.tokens) - 1, self.row_cost))
+        return self._cut(drafts, self.orders.expected(drafts.order))
 
     def _retrieve(self, row: Row, first: int, count: int) -> Drafts | None:
         """The datastore's proposal, cut to the drafts whose chance of being reached pays for their rows: most
@@ -221,7 +220,10 @@ class TidarDecoder:
         drafts = self.lookup.retrieve(self.datastore, row.ngrams.tokens, first, count)
         if drafts is None:
             return None
-        expected = self.chooser.expected("datastore", drafts.predicted)
+        return self._cut(drafts, self.chooser.expected("datastore", drafts.predicted))
+
+    def _cut(self, drafts: Drafts, expected: float) -> Drafts:
+        """``drafts`` cut to those worth a verification row, for a proposal expected to get ``expected`` accepted."""
         return truncated(drafts, drafts_worth_verifying(expected, len(drafts.tokens) - 1, self.row_cost))
 
     # -- verification ---------------------------------------------------------------------------------
