@@ -27,6 +27,11 @@ from peft import LoraConfig, PeftConfig
 
 GATED_PEFT_TYPE = "TIDAR_GATED_LORA"
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+GATE_FILE = "tidar_gate.json"
+"""Written next to ``adapter_config.json``: mask token, block size and the base model's architecture."""
+DATASTORE_FILE = "datastore.npz"
+"""An adapter folder's optional lookup-draft datastore (:class:`hf_tidar.generation.datastore.DraftDatastore`)."""
 # Folders saved before the marker existed say "LORA"; hf_tidar's loaders still read them.
 READABLE_PEFT_TYPES = (GATED_PEFT_TYPE, "LORA")
 

@@ -17,6 +17,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 
+from ..adapter_format import ADAPTER_CONFIG, GATE_FILE
 from ..assets import MODEL_CARD_TEMPLATES
 from .saved_folder import base_model_of, detect_kind, parameter_count, read_json, saved_strategy
 
@@ -140,8 +141,8 @@ def _template_values(folder: Path, kind: str, model_ref: str, base_ref: str, bas
     title = model_ref.rstrip("/").split("/")[-1]
     values: dict[str, Any] = {"title": title, "base_model_text": f"`{base_model}`" if base_model else "not recorded"}
     if kind == "tidar-adapter":
-        gate = read_json(folder / "tidar_gate.json") if (folder / "tidar_gate.json").exists() else {}
-        adapter = read_json(folder / "adapter_config.json")
+        gate = read_json(folder / GATE_FILE) if (folder / GATE_FILE).exists() else {}
+        adapter = read_json(folder / ADAPTER_CONFIG)
         targets = adapter.get("target_modules") or []
         values.update(
             block_size=gate.get("block_size", "?"),

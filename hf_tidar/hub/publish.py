@@ -18,12 +18,12 @@ from typing import Any
 from huggingface_hub import HfApi, ModelCard
 from huggingface_hub.errors import HfHubHTTPError
 
-from ..adapter_format import marked_config_text
+from ..adapter_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, DATASTORE_FILE, GATE_FILE, marked_config_text
 from .cards import CARD_FILE, DEFAULT_STRATEGY, CardInputs, check_card, check_hub_id, render_card
 from .saved_folder import detect_kind
 
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "tidar_gate.json", "datastore.npz")
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS, GATE_FILE, DATASTORE_FILE)
 CONFIG_FILES = ("config.json", "generation_config.json")
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "tokenizer.model",
@@ -87,9 +87,9 @@ def plan_upload(
         _check_full_model_files(folder, present)
     wanted |= set(TOKENIZER_FILES) | {CARD_FILE}
     files: dict[str, Path | bytes] = {name: folder / name for name in sorted(present & wanted)}
-    if kind == "tidar-adapter" and "tidar_gate.json" in present:
+    if kind == "tidar-adapter" and GATE_FILE in present:
         # A folder saved before the gated marker existed says "LORA", which PEFT would load ungated: publish it marked.
-        files["adapter_config.json"] = marked_config_text(folder).encode("utf-8")
+        files[ADAPTER_CONFIG] = marked_config_text(folder).encode("utf-8")
     published_strategy = None
     if kind != "tidar-adapter":
         published_strategy = strategy or DEFAULT_STRATEGY[kind]

@@ -42,13 +42,8 @@ import torch
 from torch import nn
 
 from .._quiet import ignore_warnings
-from ..adapter_format import as_gated_config, mark_gated, read_lora_config
+from ..adapter_format import DATASTORE_FILE, GATE_FILE, as_gated_config, mark_gated, read_lora_config
 from .mask_gate import install_mask_gate, tidar_model_of
-
-GATE_FILE = "tidar_gate.json"
-"""Written next to ``adapter_config.json``: mask token, block size and the base model's architecture."""
-DATASTORE_FILE = "datastore.npz"
-"""An adapter folder's optional lookup-draft datastore (:class:`hf_tidar.generation.datastore.DraftDatastore`)."""
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 EMBEDDING_TARGET = "embed_tokens"
