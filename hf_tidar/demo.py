@@ -148,7 +148,8 @@ def _report(console: Console, rows: list[DemoRow], as_json: bool, dtype: str = "
     table = Table(title=f"TiDAR vs HF AR generate (SmolLM2-135M-Instruct, {dtype}, greedy, batch 1)")
     same_path = all(row.same_path_ar_tokens_per_s for row in rows)
     columns = ["prompt", "tokens", "AR tok/s", "TiDAR tok/s", "vs AR"] + (["AR* tok/s", "vs AR*"] if same_path else [])
-    for column in (*columns, "tok/pass", "identical"):
+    # Headers with spaces wrap onto two lines, so the table fits an 80-column terminal without cutting them.
+    for column in (*columns, "tok / pass", "same text"):
         table.add_column(column, justify="right")
     for row in rows:
         cells = [row.kind, str(row.new_tokens), f"{row.ar_tokens_per_s:.1f}", f"{row.tidar_tokens_per_s:.1f}",
@@ -161,5 +162,5 @@ def _report(console: Console, rows: list[DemoRow], as_json: bool, dtype: str = "
     if same_path:
         against = "AR*" if dtype != "float32" else "AR"
         console.print("AR: transformers' generate, stock linears. AR*: the same on the measured CPU linear path "
-                      f"TiDAR runs on (hf_tidar.cpu). tok/pass: tokens per forward pass after the prefill. "
-                      f"identical: to {against}'s output.")
+                      f"TiDAR runs on (hf_tidar.cpu). tok / pass: tokens per forward pass after the prefill. "
+                      f"same text: as {against}'s output.")

@@ -245,3 +245,18 @@ def test_errors_map_to_exit_codes_in_one_place():
     assert exit_code_for(ValueError("bad")) == exit_code_for(FileNotFoundError("gone")) == EXIT_ERROR
     assert exit_code_for(HubPushError("403")) == EXIT_HUB
     assert exit_code_for(RuntimeError("a bug")) is None  # raised, not turned into an exit code
+
+
+def test_demo_table_fits_an_80_column_terminal_without_cutting_a_header():
+    from rich.console import Console
+
+    from hf_tidar.demo import DemoRow, _report
+
+    console = Console(width=80, record=True, color_system=None)
+    rows = [DemoRow("code", 48, 17.2, 32.0, 37.8, 1.42, True), DemoRow("chat", 8, 15.1, 24.6, 25.3, 1.40, False)]
+    _report(console, rows, as_json=False)
+    text = console.export_text()
+    assert "…" not in text
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for word in ("AR*", "TiDAR", "pass", "same", "text", "2.20x", "1.18x", "NO"):
+        assert word in text
