@@ -295,11 +295,13 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     return out.view(1, rows, module.out_features)
 
 
-BF16_DRAFT_MIN_ROWS = 8
-"""Fewest ``[MASK]`` rows a product takes in bfloat16. Rounding the weight tile costs a pass over it; measured
-on SmolLM2 (2-core AVX-512 BF16 EPYC, ``benchmarks/adapter_cost.py --draft-dtypes float32 bfloat16``) it
-paid for 9 and 16 draft rows (k = 3 and 4 with every group: a pass 1.59x -> 1.50x and 2.03x -> 1.90x an AR
-step) and not for 2-4 (the first-group layouts: 1.22x -> 1.19x at k = 3, slower at k = 2 and 4)."""
+BF16_DRAFT_MIN_ROWS = 3
+"""Fewest ``[MASK]`` rows a product takes in bfloat16 (rounding the weight tile costs a pass over it in L1). Measured
+with ``hf_tidar.cpu.enable(model, draft_dtype=torch.bfloat16)`` on SmolLM2 and the kernel that prefetches into L2,
+a pass against an AR step, 2-core Zen 4 EPYC, the threshold switched between alternating calls (two runs): k = 3
+with one group (3 rows) 1.18-1.20x at 8 -> 1.12-1.15x at 3, k = 4 with one group 1.28x -> 1.15x, k = 3 with every
+group (9 rows) 1.33-1.34x -> 1.30-1.31x; 2 rows (k = 2, one group) gained nothing at 2. On the family-26 EPYC,
+with the earlier kernel, 3 rows gained a little (1.22x -> 1.19x) and 2 and 4 rows lost."""
 
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:
