@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Build, calibrate and save the datastore; print its size and calibration as JSON."""
     from ..generation.datastore import DraftDatastore
-    from ..training.distill import load_distilled
+    from ..training.distill import IGNORE_INDEX, load_distilled
 
     target = Path(args.output)
     if target.exists() and not args.overwrite:
@@ -33,8 +33,8 @@ def run(args: argparse.Namespace) -> int:
     held = min(max(args.calibration_rows, 0), len(dataset) // 2)
     rows, labels = dataset["input_ids"], dataset["labels"]
     documents = rows[: len(rows) - held]
-    held_out = [(row, _first_target(label)) for row, label in zip(rows[len(rows) - held:],
-                                                                  labels[len(rows) - held:], strict=True)]
+    held_out = [(row, _first_target(label, IGNORE_INDEX)) for row, label in zip(rows[len(rows) - held:],
+                                                                                labels[len(rows) - held:], strict=True)]
     store = DraftDatastore.calibrate(documents, held_out)
     target.parent.mkdir(parents=True, exist_ok=True)
     store.save(target)
@@ -44,6 +44,6 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _first_target(labels: list[int]) -> int:
-    """Where a distilled row's continuation starts (its first label that is not -100)."""
-    return next((index for index, label in enumerate(labels) if label != -100), len(labels))
+def _first_target(labels: list[int], ignored: int) -> int:
+    """Where a distilled row's continuation starts (its first label that is not ``ignored``)."""
+    return next((index for index, label in enumerate(labels) if label != ignored), len(labels))

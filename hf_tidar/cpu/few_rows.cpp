@@ -234,7 +234,6 @@ inline void tile_sums(const __m512 (&acc)[MR][NR], float* out) {
 constexpr int64_t kPrefetchTiles = 4;
 constexpr auto kWeightPrefetchHint = _MM_HINT_T1;
 
-
 // One segment of MR x NR dot products by policy P: MR rows of a (stride lda) against NR rows of b (stride
 // ldb), length n. Returns where a scalar remainder starts (n where the last partial step is masked).
 // Rows before `first` are left alone (a LoRA segment covers only the tile's tail rows; `a` then starts at row

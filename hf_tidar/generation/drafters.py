@@ -291,10 +291,7 @@ class LookupDrafter:
         """Up to ``count`` drafts after ``d_0 = first`` from the context (``None``: no match), with the match's
         order."""
         tokens, order = ngrams.match(count)
-        drafts = self._drafts(first, tokens, "prompt_lookup")
-        if drafts is not None:
-            drafts.order = order
-        return drafts
+        return self._drafts(first, tokens, "prompt_lookup", order=order)
 
     def retrieve(self, datastore: DraftDatastore, context: list[int], first: int, count: int) -> Drafts | None:
         """Up to ``count`` drafts after ``d_0 = first`` (the last token of ``context``) from ``datastore``."""
@@ -303,7 +300,8 @@ class LookupDrafter:
             return None
         return self._drafts(first, proposal.tokens, "datastore", proposal.expected)
 
-    def _drafts(self, first: int, proposal: list[int], source: str, predicted: float | None = None) -> Drafts | None:
+    def _drafts(self, first: int, proposal: list[int], source: str, predicted: float | None = None,
+                order: int = 0) -> Drafts | None:
         """Proposals are deterministic, so their draft distribution ``q`` is one-hot: what speculative
         sampling needs (greedy verification needs none)."""
         if not proposal:
@@ -312,4 +310,4 @@ class LookupDrafter:
         if self.do_sample:
             scores = torch.full((len(proposal) + 1, self.vocab_size), float("-inf"), device=self.device)
             scores[torch.arange(1, len(proposal) + 1), torch.tensor(proposal)] = 0.0
-        return Drafts([first, *proposal], scores, source, predicted)
+        return Drafts([first, *proposal], scores, source, predicted, order)

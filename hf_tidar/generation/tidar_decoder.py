@@ -200,10 +200,14 @@ class TidarDecoder:
         if row.ngrams is None:
             return []
         count = self.lookup_length or self.layout.draft_len - 1
-        blocks = [self._context_match(row, first, count)]
-        if self.datastore is not None:
-            blocks.append(self._retrieve(row, first, count))
-        return [drafts for drafts in blocks if drafts is not None]
+        context = self._context_match(row, first, count)
+        blocks = [] if context is None else [context]
+        # "prompt_lookup" drafts the first proposal found: the datastore only where the context has no match.
+        if self.datastore is not None and not (blocks and self.draft_source == "prompt_lookup"):
+            retrieved = self._retrieve(row, first, count)
+            if retrieved is not None:
+                blocks.append(retrieved)
+        return blocks
 
     def _context_match(self, row: Row, first: int, count: int) -> Drafts | None:
         """The context's lookup proposal, cut to the drafts that pay for their rows at the acceptance its match
