@@ -89,6 +89,14 @@ class GrowingLayer(DynamicLayer):
         expanded = index[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
         self._replace(self.keys.gather(2, expanded), self.values.gather(2, expanded))
 
+    def move_recent(self, start: int, index: torch.Tensor) -> None:
+        """Per row, copy the tokens at ``start + index`` (``index`` ``[batch, n]``) to ``start .. start + n - 1``."""
+        expanded = (start + index)[:, None, :, None].expand(-1, self.keys.shape[1], -1, self.keys.shape[-1])
+        end = start + index.shape[1]
+        moved_keys, moved_values = self.keys.gather(2, expanded), self.values.gather(2, expanded)  # copies first
+        self._key_buffer[..., start:end, :] = moved_keys
+        self._value_buffer[..., start:end, :] = moved_values
+
 
 class DraftCache(DynamicCache):
     """A KV cache for draft-and-verify decoding, growing in place (:class:`GrowingLayer` per layer).
@@ -112,6 +120,14 @@ class DraftCache(DynamicCache):
             raise ValueError(f"cannot keep {length} tokens of a cache holding {current}.")
         if length < current:
             self.crop(length - current)  # transformers' crop takes the (negative) number to drop
+
+    def move_recent(self, start: int, index: torch.Tensor) -> None:
+        """Per row, copy the cached tokens at ``start + index`` (``index`` ``[batch, n]``, offsets into the last
+        pass's slots) to ``start .. start + n - 1``: a pass that verified sibling branches keeps the accepted
+        branch's KV right after the step's first token, where the next crop keeps it."""
+        for layer in self.layers:
+            if layer.get_seq_length() > 0:
+                layer.move_recent(start, index)
 
     def gather_tokens(self, index: torch.Tensor) -> None:
         """Keep, per row, the cached tokens at ``index`` (``[batch, new_len]``), in that order.

@@ -9,7 +9,8 @@ Each token also has a **horizon**: it may see the clean tokens whose position id
 A clean token's horizon is ``position + 1`` (ordinary causal attention); a mask token's horizon is
 the first position its group must not see (its block start in training, ``p + j`` for decode group
 ``j``). Mask tokens additionally see every token of their own group, in both directions. A clean
-token never sees a mask token. Padding keys are invisible; a padding query sees only itself, which
+token never sees a mask token. A decode step may verify sibling draft branches that share positions; then
+each clean token also has a **branch**, and a clean key on branch ``b > 0`` is seen only by branch ``b``. Padding keys are invisible; a padding query sees only itself, which
 keeps the softmax finite (its output is never used).
 
 That single rule, :func:`tidar_mask_mod`, is the source of truth. The layout builders below only
@@ -45,6 +46,9 @@ class AttentionLayout:
         horizon: the token sees clean tokens whose position is ``< horizon``.
         valid: ``False`` for padding.
         query_len: how many trailing tokens are queries of this forward pass.
+        branch: for decode steps that verify sibling draft branches, each clean token's branch (``0``: the
+            trunk — cache and the step's first token — seen by every query; ``b > 0``: seen only by the
+            queries of branch ``b``); ``None`` for layouts with one chain of clean tokens.
     """
 
     position_ids: torch.Tensor
@@ -52,6 +56,7 @@ class AttentionLayout:
     horizon: torch.Tensor
     valid: torch.Tensor
     query_len: int
+    branch: torch.Tensor | None = None
 
     @property
     def kv_len(self) -> int:
@@ -76,7 +81,7 @@ class AttentionLayout:
     def select_rows(self, rows: torch.Tensor) -> AttentionLayout:
         """The same layout for the rows ``rows`` (indices into the batch) only."""
         return AttentionLayout(self.position_ids[rows], self.group[rows], self.horizon[rows], self.valid[rows],
-                               self.query_len)
+                               self.query_len, None if self.branch is None else self.branch[rows])
 
 
 def tidar_mask_mod(layout: AttentionLayout) -> MaskMod:
@@ -87,12 +92,15 @@ def tidar_mask_mod(layout: AttentionLayout) -> MaskMod:
     Index tensors broadcast, so the same function renders a dense mask or a ``BlockMask``.
     """
     offset = layout.kv_len - layout.query_len
-    pos, group, horizon, valid = layout.position_ids, layout.group, layout.horizon, layout.valid
+    pos, group, horizon, valid, branch = (layout.position_ids, layout.group, layout.horizon, layout.valid,
+                                          layout.branch)
 
     def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         q_tok = q_idx + offset
         key_is_clean = group[b, kv_idx] == CLEAN
         sees_clean_key = key_is_clean & (pos[b, kv_idx] < horizon[b, q_tok])
+        if branch is not None:  # sibling drafts share positions: a branch's drafts are its own queries' alone
+            sees_clean_key = sees_clean_key & ((branch[b, kv_idx] == 0) | (branch[b, kv_idx] == branch[b, q_tok]))
         same_mask_group = (group[b, q_tok] != CLEAN) & (group[b, kv_idx] == group[b, q_tok])
         padding_self = ~valid[b, q_tok] & (kv_idx == q_tok)
         real_pair = valid[b, q_tok] & valid[b, kv_idx]
@@ -263,25 +271,71 @@ def tidar_decode_layout(
     return _concat(parts, query_len=draft_len * (1 + len(groups)))
 
 
+def tidar_branch_layout(prefix_valid: torch.Tensor, branch_lens: Sequence[int], group_len: int) -> AttentionLayout:
+    """Decode-step layout that verifies sibling draft branches: cached prefix, ``d_0``, each branch's drafts,
+    then one group of ``group_len`` masks.
+
+    With ``p`` real cached tokens, ``d_0`` sits at position ``p`` (branch 0, the trunk). Branch ``b`` (1-based,
+    ``branch_lens[b - 1]`` drafts) proposes positions ``p + 1 ..``: each of its drafts sees the cache, ``d_0`` and
+    its own branch's earlier drafts, never a sibling's. The mask group sits at ``p + 1 .. p + group_len`` and sees
+    the cache and ``d_0`` (the chain layout's group 1): after a pass that commits ``e`` tokens its slots from
+    position ``p + e + 1`` on are the next drafts. The query is ``[d_0 | branch 1 | branch 2 | ... | masks]``.
+    """
+    valid = prefix_valid.bool()
+    device = valid.device
+    batch = valid.shape[0]
+    prefix_pos = positions_from_padding(valid)
+    p = valid.long().sum(-1, keepdim=True)
+    parts = [_clean_tokens(valid, prefix_pos), _clean_tokens(torch.ones(batch, 1, dtype=torch.bool, device=device), p)]
+    branches = [torch.zeros_like(prefix_pos), torch.zeros_like(p)]
+    for index, length in enumerate(branch_lens, start=1):
+        draft_pos = p + 1 + torch.arange(length, device=device)
+        parts.append(_clean_tokens(torch.ones_like(draft_pos, dtype=torch.bool), draft_pos))
+        branches.append(torch.full_like(draft_pos, index))
+    mask_pos = p + 1 + torch.arange(group_len, device=device)
+    parts.append(_mask_group(mask_pos, torch.ones_like(mask_pos), (p + 1).expand_as(mask_pos)))
+    branches.append(torch.zeros_like(mask_pos))
+    layout = _concat(parts, query_len=1 + sum(branch_lens) + group_len)
+    return AttentionLayout(layout.position_ids, layout.group, layout.horizon, layout.valid, layout.query_len,
+                           torch.cat(branches, dim=-1))
+
+
 class StepMaskTemplate:
     """The fixed part of every decode-step mask under one draft layout, rendered once per layout.
 
-    Every query of a decode step sees every real cached token (all horizons are at least ``p``), so a
+    Every query of a decode step sees every valid cached token (all horizons are at least ``p``), so a
     step's mask is ``[prefix_valid | fixed query-query block]``. The block and the query position
-    offsets come from :func:`tidar_decode_layout` (so from the one predicate) once per layout;
-    :class:`DecodeMaskBuffer` completes them per step.
+    offsets come from the layout's builder (:func:`tidar_decode_layout`, or :func:`tidar_branch_layout` via
+    :meth:`for_branches`, so from the one predicate) once per layout; :class:`DecodeMaskBuffer` completes
+    them per step.
     """
 
     def __init__(self, draft_len: int, groups: Sequence[int], device: torch.device | str = "cpu"):
         self.draft_len = draft_len
         self.groups = tuple(groups)
-        one_token = tidar_decode_layout(torch.ones(1, 1, dtype=torch.bool, device=device), draft_len, groups)
+        self._take(lambda prefix_valid: tidar_decode_layout(prefix_valid, draft_len, self.groups), device)
+
+    @classmethod
+    def for_branches(cls, branch_lens: Sequence[int], group_len: int,
+                     device: torch.device | str = "cpu") -> StepMaskTemplate:
+        """The template of :func:`tidar_branch_layout` steps (sibling branches, then one mask group)."""
+        template = cls.__new__(cls)
+        template.draft_len, template.groups = 1, (1,) if group_len else ()
+        lens = tuple(branch_lens)
+        template._take(lambda prefix_valid: tidar_branch_layout(prefix_valid, lens, group_len), device)
+        return template
+
+    def _take(self, build: Callable[[torch.Tensor], AttentionLayout], device: torch.device | str) -> None:
+        self.build_layout = build
+        """``prefix_valid -> AttentionLayout``: the whole step's layout (for backends without a step renderer)."""
+        one_token = build(torch.ones(1, 1, dtype=torch.bool, device=device))
         # Every decode query sees every valid cached token (tests/test_masks.py checks it against the full
         # rendering), so one cached token stands for the whole prefix.
         self.block = to_bool_mask(one_token)[0, 0, :, 1:]  # [query, query]
         self.offsets = one_token.query_position_ids[0] - 1  # query positions relative to p
         self.query_groups = one_token.group[0, 1:]  # CLEAN for drafts, the group id for masks
         self.horizon_offsets = one_token.horizon[0, 1:] - 1  # query horizons relative to p
+        self.branched = one_token.branch is not None  # sibling branches: renderers of the four fields alone can't
         self.query_len = self.block.shape[0]
 
 
@@ -327,7 +381,7 @@ class DecodeMaskBuffer:
         if impl in BOOL_MASK_BACKENDS:
             return self.bool_step_mask(step)
         if impl not in STEP_RENDERERS:  # a backend without a step renderer: the whole layout, every step
-            return render_mask(tidar_decode_layout(self.prefix_valid, step.draft_len, step.groups), impl, dtype)
+            return render_mask(step.build_layout(self.prefix_valid), impl, dtype)
         self._grow(self.length + step.query_len)  # renderers size their buffers after this one's capacity
         if impl not in self._renderers:
             self._renderers[impl] = STEP_RENDERERS[impl]()

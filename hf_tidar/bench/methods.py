@@ -104,11 +104,11 @@ def _tidar_methods(config: BenchConfig, models: Models) -> list[Method]:
         for k in sorted(set(config.draft_lengths)):
             methods.append(Method(f"tidar-k{k}{suffix}", "tidar", "main",
                                   {"strategy": "tidar", "draft_length": k, **extra}, draft_length=k, layout="full"))
-            if config.first_group_layouts and k > 1:  # q = 2k instead of k(k+1): one pre-draft group
+            if config.first_group_layouts and k > 1 and extra["draft_source"] != "both":  # q = 2k: one group
                 methods.append(Method(f"tidar-k{k}-g1{suffix}", "tidar", "main",
                                       {"strategy": "tidar", "draft_length": k, "draft_groups": [1], **extra},
                                       draft_length=k, layout="group-1"))
-        if config.auto_layout:
+        if config.auto_layout and extra["draft_source"] != "both":  # "both" has its own layout
             methods.append(Method(f"tidar-auto{suffix}", "tidar", "main",
                                   {"strategy": "tidar", "draft_layout": "auto", **extra}, layout="auto"))
     if models.main_bf16_drafts is not None:  # the same rows on the copy whose [MASK] rows are bfloat16

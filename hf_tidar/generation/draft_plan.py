@@ -106,3 +106,51 @@ def verification_plan(draft_len: int) -> DraftPlan:
     drafts need no diffusion slots, so the pass is ``draft_len`` query tokens and no ``[MASK]``.
     """
     return DraftPlan(draft_len, ())
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    """A pass that verifies sibling draft branches (``draft_source="both"``) and pre-drafts one mask group.
+
+    The query is ``[d_0 | branch 1 | branch 2 | ... | group_len masks]`` (:func:`hf_tidar.masks.tidar_branch_layout`):
+    every branch proposes the tokens after ``d_0``, each from its own source; the verifier's token after ``d_0``
+    picks the branch whose first draft it is (at most one: branches start with distinct tokens), and that
+    branch is then verified as a chain. The masks see ``d_0`` only, so they draft the positions after ``d_0``
+    whatever is accepted; after ``e`` committed tokens the slots from position ``p + e + 1`` on are the next
+    diffusion drafts.
+    """
+
+    branch_lens: tuple[int, ...]
+    group_len: int
+
+    @property
+    def query_len(self) -> int:
+        """Query tokens of one pass."""
+        return self.mask_start + self.group_len
+
+    @property
+    def mask_start(self) -> int:
+        """Query index of the group's first slot (every row before it is ``d_0`` or a draft)."""
+        return 1 + sum(self.branch_lens)
+
+    def branch_start(self, index: int) -> int:
+        """Query index of branch ``index``'s first draft (0-based ``index``)."""
+        return 1 + sum(self.branch_lens[:index])
+
+    @property
+    def projected_rows(self) -> tuple[int, ...]:
+        """Query indices projected onto the vocabulary: ``d_0`` and every draft (verification), then the group's
+        slots after its first (the first is the verifier's position)."""
+        return tuple(range(self.mask_start)) + tuple(range(self.mask_start + 1, self.query_len))
+
+    def chain_rows(self, index: int, drafts: int) -> list[int]:
+        """Projected rows whose logits verify branch ``index``'s first ``drafts`` drafts as a chain: ``d_0``'s row
+        (it decides the first draft) and then each draft's own row (it decides the next one, or the bonus)."""
+        start = self.branch_start(index)
+        return [0, *range(start, start + drafts)]
+
+    def next_draft_rows(self, emitted: int) -> slice:
+        """Which projected rows hold the next drafts after ``emitted`` tokens were committed: the group's slots
+        for positions ``p + emitted + 1 ..`` (slot ``t`` drafts position ``p + 1 + t``)."""
+        first = self.mask_start + emitted - 1
+        return slice(first, max(first, self.mask_start + self.group_len - 1))

@@ -25,9 +25,10 @@ import torch
 from .acceptance import Scorer, choose
 from .datastore import DraftDatastore
 
-DRAFT_SOURCES = ("diffusion", "prompt_lookup", "best")
+DRAFT_SOURCES = ("diffusion", "prompt_lookup", "best", "both")
 """``draft_source`` values: diffusion slots only; lookup where it matches (the context first, then a datastore
-when one is given; diffusion elsewhere); per pass the source with the higher expected accepted length."""
+when one is given; diffusion elsewhere); per pass the source with the higher expected accepted length; every
+source's proposal in one pass, verified as sibling branches (greedy, :mod:`.branch_decoder`)."""
 
 DEFAULT_LOOKUP_LENGTH = 4
 """Most prompt-lookup drafts one pass verifies (``lookup_length``); the prompt-lookup baseline of our

@@ -13,7 +13,9 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .._warning_stacklevel import user_stacklevel
 from ..cpu import rows_are_call_invariant
+from .acceptance import Scorer
 from .auto_plan import AutoDraftPlan
+from .branch_decoder import BranchingDecoder
 from .datastore import DraftDatastore
 from .draft_plan import DraftPlan
 from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES
@@ -51,8 +53,9 @@ def tidar_decode(
             fixed layout), ``"prompt_lookup"`` an n-gram match in the context where there is one (the slots
             elsewhere), ``"best"`` per pass the source with the higher running mean of accepted drafts —
             under ``draft_layout="auto"`` (where it is the default) of tokens per second, from the measured
-            pass costs. Every source is verified the same way, so the output does not depend on it; only
-            the speed does.
+            pass costs; ``"both"`` (greedy only) every source's proposal in the same pass, as sibling branches
+            after the verified token, with one pre-draft group of ``draft_length`` masks. Every source is
+            verified the same way, so the output does not depend on it; only the speed does.
         lookup_length: the most prompt-lookup drafts one pass verifies (default 4). A pass whose drafts all
             come from lookup computes no mask group (it verifies only, at the cost of a prompt-lookup pass);
             the next pass drafts by lookup again, or by the diffusion slots from the verified token on.
@@ -67,6 +70,8 @@ def tidar_decode(
         raise ValueError(f"draft_source must be one of {', '.join(map(repr, DRAFT_SOURCES))}, got {draft_source!r}.")
     if not isinstance(lookup_length, int) or isinstance(lookup_length, bool) or lookup_length < 1:
         raise ValueError(f"lookup_length must be a positive integer (drafts per lookup pass), got {lookup_length!r}.")
+    draft_source = check_branching(draft_source, draft_groups, draft_layout, verifier_weight, generation_config,
+                                   logits_processor, input_ids.shape[0])
     datastore = resolve_datastore(model, datastore, draft_source)
     refuse_stateful(logits_processor, "tidar")
     if not 0.0 <= verifier_weight <= 1.0:
@@ -89,10 +94,38 @@ def tidar_decode(
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:
         attention_mask = torch.ones_like(input_ids)
-    decoder = TidarDecoder(model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
-                           streamer, layout, verifier_weight, draft_source, lookup_length, datastore)
+    decoder_class = BranchingDecoder if draft_source == "both" else TidarDecoder
+    decoder = decoder_class(model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
+                            streamer, layout, verifier_weight, draft_source, lookup_length, datastore)
     decoder.run(input_ids)
     return decoder.result(input_ids.shape[1])
+
+
+def check_branching(draft_source: str, draft_groups, draft_layout, verifier_weight: float, generation_config,
+                    logits_processor, batch_size: int) -> str:
+    """``draft_source`` after checking what ``"both"`` needs: greedy decoding with the exact verifier, its own
+    layout (one pre-draft group) and processors that ignore the prefix. With other processors it falls back to
+    ``"best"`` (one source per pass: slower, the same output) and says so; everything else is refused."""
+    if draft_source != "both":
+        return draft_source
+    if generation_config.do_sample:
+        raise ValueError("draft_source='both' verifies sibling branches greedily; sampling needs one branch per "
+                         "pass. Use draft_source='best' with do_sample=True, or do_sample=False.")
+    if verifier_weight != 1.0:
+        raise ValueError("draft_source='both' needs the exact verifier (verifier_weight=1.0); the mixed verifier "
+                         "needs every pre-draft group. Use draft_source='diffusion' with verifier_weight < 1.")
+    if draft_layout is not None:
+        raise ValueError("draft_source='both' has its own layout (every proposal as a branch, one pre-draft group "
+                         "of draft_length masks); pass draft_length instead of draft_layout.")
+    if draft_groups is not None and list(draft_groups) != [1]:
+        raise ValueError(f"draft_source='both' pre-drafts group 1 only; omit draft_groups or pass [1], got "
+                         f"{draft_groups!r}.")
+    if not Scorer(logits_processor, batch_size).position_free:
+        warnings.warn("draft_source='both' needs logits processors that ignore the prefix (these do not): drafting "
+                      "one source per pass instead (draft_source='best'). The output is the same.",
+                      stacklevel=user_stacklevel())
+        return "best"
+    return draft_source
 
 
 def resolve_datastore(model, datastore, draft_source: str) -> DraftDatastore | None:

@@ -132,6 +132,13 @@ def build_descriptors(
     )
 
 
+BRANCHES_UNSUPPORTED = (
+    "attn_implementation='tidar_triton' evaluates positions, groups and horizons per tile and has no field for "
+    "sibling draft branches (draft_source='both'). Use draft_source='best', or load the model with "
+    "attn_implementation='sdpa', 'eager' or 'flex_attention'."
+)
+
+
 class TidarMaskCarrier(torch.Tensor):
     """A 4D stand-in for the attention mask that carries a :class:`AttentionLayout` to the kernel.
 
@@ -153,6 +160,8 @@ class TidarMaskCarrier(torch.Tensor):
 
     @staticmethod
     def __new__(cls, layout: AttentionLayout) -> TidarMaskCarrier:
+        if layout.branch is not None:
+            raise ValueError(BRANCHES_UNSUPPORTED)
         shape = (layout.batch_size, 1, layout.query_len, layout.kv_len)
         data = torch.zeros((), dtype=torch.bool, device=layout.position_ids.device).expand(shape)
         carrier = torch.Tensor._make_subclass(cls, data, False)
@@ -207,6 +216,8 @@ class TileDescriptorSteps:
 
     def render(self, buffer: DecodeMaskBuffer, step: StepMaskTemplate, dtype: torch.dtype) -> TidarMaskCarrier:
         """The next step's carrier, its descriptors for the default tiling already built."""
+        if step.branched:
+            raise ValueError(BRANCHES_UNSUPPORTED)
         q, length = step.query_len, buffer.length
         end = length + q
         block_m, block_n = default_blocks(q, buffer.valid.device)
