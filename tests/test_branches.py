@@ -188,3 +188,13 @@ def test_position_dependent_processors_fall_back_to_one_source_with_a_warning(lo
         with pytest.warns(UserWarning, match="draft_source='best'"):
             out = looping_model.generate(prompt, strategy="tidar", draft_source="both", **settings)
     assert torch.equal(out, ar)
+
+
+def test_branches_are_cut_to_the_pass_rows_first_drafts_first():
+    from hf_tidar.generation.branch_decoder import within_rows
+
+    branches = [Drafts([0, 1, 2, 3, 4], None, "prompt_lookup"), Drafts([0, 5, 6, 7], None, "datastore"),
+                Drafts([0, 9], None)]
+    assert [b.tokens for b in within_rows(branches, 5)] == [[0, 1, 2, 3], [0, 5], [0, 9]]
+    assert [b.tokens for b in within_rows(branches, 2)] == [[0, 1], [0, 5]]
+    assert [b.tokens for b in within_rows(branches, 9)] == [b.tokens for b in branches]

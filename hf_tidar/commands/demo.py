@@ -57,5 +57,5 @@ def _demo_tidar_settings(args: argparse.Namespace) -> dict | None:
     if args.draft_layout:
         return {"draft_layout": args.draft_layout, "draft_source": "best"}
     if args.draft_length:
-        return {"draft_length": args.draft_length, "draft_source": "best"}
+        return {"draft_length": args.draft_length, "draft_source": "both"}
     return None  # the demo's own default

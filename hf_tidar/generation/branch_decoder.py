@@ -23,8 +23,27 @@ import torch
 
 from ..masks import DecodeMaskBuffer, StepMaskTemplate
 from .draft_plan import BranchPlan
-from .drafters import Drafts
+from .drafters import Drafts, truncated
 from .tidar_decoder import Choices, Row, TidarDecoder
+
+MAX_PASS_ROWS = 8
+"""Most query rows a branching pass takes (``d_0``, the drafts, the masks): the few-row kernel works in tiles of up to
+4 rows, and on SmolLM2 (Zen 4, 2 threads, float32, the shipped adapter; benchmarks/branch_pass_cost.py) a pass of
+4-8 rows costs 1.07-1.31x an AR step, about 4% a row, where 9 rows cost 1.40-1.50x. Branches beyond it are cut,
+their later drafts first."""
+
+
+def within_rows(branches: list[Drafts], drafts: int) -> list[Drafts]:
+    """``branches`` cut to ``drafts`` drafts in all: every branch keeps its first draft while there is room (in order),
+    then the earlier branches keep their later drafts first."""
+    branches = branches[: max(drafts, 0)]
+    room = drafts - len(branches)
+    kept = []
+    for branch in branches:
+        extra = min(len(branch.tokens) - 2, room)
+        room -= extra
+        kept.append(truncated(branch, 1 + extra))
+    return kept
 
 
 def distinct_branches(branches: list[Drafts]) -> list[Drafts]:
@@ -55,7 +74,7 @@ class BranchingDecoder(TidarDecoder):
             branches.append(Drafts([first, *slot_tokens], None))
         elif slot_tokens is None and slot_logits is not None and slot_logits.shape[0]:
             branches.append(self.diffusion.propose(row.index, row.sequence, first, slot_logits))
-        return distinct_branches(branches)
+        return within_rows(distinct_branches(branches), MAX_PASS_ROWS - 1 - self.group_len)
 
     def step(self, active: list[int], blocks: list[list[Drafts]], state: DecodeMaskBuffer) -> list[list[Drafts] | None]:
         """One forward pass for the active rows; returns their next branches (``None`` for finished rows)."""
