@@ -10,8 +10,9 @@ A clean token's horizon is ``position + 1`` (ordinary causal attention); a mask 
 the first position its group must not see (its block start in training, ``p + j`` for decode group
 ``j``). Mask tokens additionally see every token of their own group, in both directions. A clean
 token never sees a mask token. A decode step may verify sibling draft branches that share positions; then
-each clean token also has a **branch**, and a clean key on branch ``b > 0`` is seen only by branch ``b``. Padding keys are invisible; a padding query sees only itself, which
-keeps the softmax finite (its output is never used).
+each clean token also has a **branch**, and a clean key on branch ``b > 0`` is seen only by branch ``b``.
+Padding keys are invisible; a padding query sees only itself, which keeps the softmax finite (its output is
+never used).
 
 That single rule, :func:`tidar_mask_mod`, is the source of truth. The layout builders below only
 assign ``position_ids``, ``group``, ``horizon`` and ``valid``; the renderings (bool for sdpa,
@@ -319,8 +320,7 @@ class StepMaskTemplate:
     def for_branches(cls, branch_lens: Sequence[int], group_len: int,
                      device: torch.device | str = "cpu") -> StepMaskTemplate:
         """The template of :func:`tidar_branch_layout` steps (sibling branches, then one mask group)."""
-        template = cls.__new__(cls)
-        template.draft_len, template.groups = 1, (1,) if group_len else ()
+        template = cls.__new__(cls)  # no draft_len / groups: a chain layout's parameters, not this one's
         lens = tuple(branch_lens)
         template._take(lambda prefix_valid: tidar_branch_layout(prefix_valid, lens, group_len), device)
         return template

@@ -6,7 +6,7 @@ from toy import tiny_ar_model
 
 from hf_tidar import TidarForCausalLM
 from hf_tidar.cache import DraftCache
-from hf_tidar.generation.branch_decoder import BranchingDecoder, distinct_branches
+from hf_tidar.generation.branch_decoder import distinct_branches
 from hf_tidar.generation.draft_plan import BranchPlan
 from hf_tidar.generation.drafters import Drafts
 from hf_tidar.masks import (
@@ -147,25 +147,6 @@ def test_lookup_branches_in_a_batch_stay_exact(looping_model):
                                       return_dict_in_generate=True, **settings)
     assert torch.equal(both.sequences, ar)
     assert max(max(lengths) for lengths in both.accepted_lengths) > 3  # a lookup branch beyond k drafts
-
-
-def test_a_greedy_branch_pass_reads_back_from_the_device_once(looping_model, monkeypatch):
-    from test_tidar_exactness import _HostReads
-
-    reads, step = [], BranchingDecoder.step
-
-    def counted_step(self, *args, **kwargs):
-        with _HostReads() as counter:
-            result = step(self, *args, **kwargs)
-        reads.append(counter.count)
-        return result
-
-    monkeypatch.setattr(BranchingDecoder, "step", counted_step)
-    prompt = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4]])
-    with torch.no_grad():
-        looping_model.generate(prompt, strategy="tidar", draft_length=3, draft_source="both", max_new_tokens=30,
-                               do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert len(reads) > 5 and max(reads) == 1, reads
 
 
 @pytest.mark.parametrize("options,message", [

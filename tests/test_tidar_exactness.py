@@ -219,14 +219,16 @@ class _HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("source,batch", [("diffusion", 1), ("best", 1), ("diffusion", 2)])
+@pytest.mark.parametrize("source,batch", [("diffusion", 1), ("best", 1), ("diffusion", 2), ("both", 1), ("both", 2)])
 def test_a_greedy_pass_reads_back_from_the_device_once(monkeypatch, source, batch):
+    from hf_tidar.generation.branch_decoder import BranchingDecoder
     from hf_tidar.generation.tidar_decoder import TidarDecoder
 
+    decoder = BranchingDecoder if source == "both" else TidarDecoder  # "both" has a step of its own
     model = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=24, seed=4), block_size=4).eval()
     prompts = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4], [0, 0, 5, 6, 7, 5, 6, 7, 5, 6]])[:batch]
     mask = (prompts != 0).long() if batch > 1 else torch.ones_like(prompts)
-    reads, step = [], TidarDecoder.step
+    reads, step = [], decoder.step
 
     def counted_step(self, *args, **kwargs):
         with _HostReads() as counter:
@@ -234,11 +236,11 @@ def test_a_greedy_pass_reads_back_from_the_device_once(monkeypatch, source, batc
         reads.append(counter.count)
         return result
 
-    monkeypatch.setattr(TidarDecoder, "step", counted_step)
+    monkeypatch.setattr(decoder, "step", counted_step)
     settings = dict(max_new_tokens=30, do_sample=False, eos_token_id=[5, 7], pad_token_id=0, attention_mask=mask)
     with torch.no_grad():
         out = model.generate(prompts, strategy="tidar", draft_length=3, draft_source=source, **settings)
-    monkeypatch.setattr(TidarDecoder, "step", step)
+    monkeypatch.setattr(decoder, "step", step)
     with torch.no_grad():
         assert torch.equal(out, model.generate(prompts, **settings))
     assert len(reads) > 5 and max(reads) == 1, reads

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 
-from .processors import POSITION_FREE, row_view
+from .processors import all_position_free, row_view
 
 
 class Scorer:
@@ -27,7 +27,7 @@ class Scorer:
 
     def __init__(self, processors: LogitsProcessorList, rows: int):
         self.processors = processors
-        self.position_free = all(isinstance(p, POSITION_FREE) for p in processors)
+        self.position_free = all_position_free(processors)
         self.per_row = [LogitsProcessorList(row_view(p, row, rows) for p in processors) for row in range(rows)]
 
     def one(self, row: int, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -85,6 +85,11 @@ POSITION_FREE = (
     LogitNormalization,
 )
 
+
+def all_position_free(processors: LogitsProcessorList) -> bool:
+    """Whether every processor ignores ``input_ids`` (:data:`POSITION_FREE`), so that many positions can share a call."""
+    return all(isinstance(p, POSITION_FREE) for p in processors)
+
 #: processors that keep state across calls (or need a doubled batch), with what makes them so
 STATEFUL: dict[type, str] = {
     UnbatchedClassifierFreeGuidanceLogitsProcessor: (

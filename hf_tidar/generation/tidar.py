@@ -13,13 +13,12 @@ from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .._warning_stacklevel import user_stacklevel
 from ..cpu import rows_are_call_invariant
-from .acceptance import Scorer
 from .auto_plan import AutoDraftPlan
 from .branch_decoder import BranchingDecoder
 from .datastore import DraftDatastore
 from .draft_plan import DraftPlan
 from .drafters import DEFAULT_LOOKUP_LENGTH, DRAFT_SOURCES
-from .processors import refuse_stateful
+from .processors import all_position_free, refuse_stateful
 from .tidar_decoder import MIXED_NEEDS_EVERY_GROUP, TidarDecoder
 
 
@@ -71,7 +70,7 @@ def tidar_decode(
     if not isinstance(lookup_length, int) or isinstance(lookup_length, bool) or lookup_length < 1:
         raise ValueError(f"lookup_length must be a positive integer (drafts per lookup pass), got {lookup_length!r}.")
     draft_source = check_branching(draft_source, draft_groups, draft_layout, verifier_weight, generation_config,
-                                   logits_processor, input_ids.shape[0])
+                                   logits_processor)
     datastore = resolve_datastore(model, datastore, draft_source)
     refuse_stateful(logits_processor, "tidar")
     if not 0.0 <= verifier_weight <= 1.0:
@@ -102,7 +101,7 @@ def tidar_decode(
 
 
 def check_branching(draft_source: str, draft_groups, draft_layout, verifier_weight: float, generation_config,
-                    logits_processor, batch_size: int) -> str:
+                    logits_processor) -> str:
     """``draft_source`` after checking what ``"both"`` needs: greedy decoding with the exact verifier, its own
     layout (one pre-draft group) and processors that ignore the prefix. With other processors it falls back to
     ``"best"`` (one source per pass: slower, the same output) and says so; everything else is refused."""
@@ -120,7 +119,7 @@ def check_branching(draft_source: str, draft_groups, draft_layout, verifier_weig
     if draft_groups is not None and list(draft_groups) != [1]:
         raise ValueError(f"draft_source='both' pre-drafts group 1 only; omit draft_groups or pass [1], got "
                          f"{draft_groups!r}.")
-    if not Scorer(logits_processor, batch_size).position_free:
+    if not all_position_free(logits_processor):
         warnings.warn("draft_source='both' needs logits processors that ignore the prefix (these do not): drafting "
                       "one source per pass instead (draft_source='best'). The output is the same.",
                       stacklevel=user_stacklevel())
