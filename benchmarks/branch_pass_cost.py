@@ -1,6 +1,6 @@
 """What a ``draft_source="both"`` pass costs against a one-token AR step, by its row count.
 
-    python benchmarks/branch_pass_cost.py --threads 2 --repeats 25
+    python benchmarks/branch_pass_cost.py --threads 2 --repeats 25 [--unpacked]
 
 SmolLM2-135M-Instruct with the shipped adapter in its lean form, on the measured CPU path (float32). Each plan
 is one branch of ``d`` drafts and a mask group of ``g`` masks (``g = 0``: a verification-only pass), timed as the
@@ -26,7 +26,7 @@ from hf_tidar.masks import tidar_branch_layout
 from hf_tidar.training.gated_lora import load_tidar_adapter
 
 PREFIX = 120
-PLANS = [BranchPlan((d,) if d else (), 2) for d in range(9)] + [BranchPlan((d,), 3) for d in (1, 2, 4)] + [
+PLANS = [BranchPlan((d,) if d else (), 2) for d in range(12)] + [BranchPlan((d,), 3) for d in (1, 2, 4)] + [
     BranchPlan((d,), 0) for d in (1, 3)]
 
 
@@ -34,11 +34,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=25)
+    parser.add_argument("--unpacked", action="store_true", help="the dot-product kernel instead of column-packed weights")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ar, tokenizer = load_smollm2()
     model = load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=tokenizer, lean=True).eval()
-    cpu.enable(model)
+    cpu.enable(model, packed=not args.unpacked)
     mask_id = model.require_mask_token_id()
     ids = torch.randint(100, 5000, (1, PREFIX), generator=torch.Generator().manual_seed(0))
     cache = DraftCache(config=model.config.get_text_config())

@@ -1,13 +1,16 @@
 """The few-row kernel on SmolLM2's weight shapes: µs per product by row count and LoRA tail.
 
     python benchmarks/kernel_rows.py --threads 2 [--isa avx2] [--dtype bfloat16] [--repeats 300] [--against OLD.cpp]
+    python benchmarks/kernel_rows.py --threads 2 --packed   # the column-packed product against few_rows.cpp's
 
 Each product reads its weight cold, from a pool of distinct copies of 256 MB (as a forward pass reads a
 layer's weights); a row count ``M`` with tail ``t`` is ``M`` rows of which rows ``t..M-1`` get a rank-16 LoRA
 update (``t = M``: none), the gated adapter's ``[MASK]`` rows. Cases alternate within every round, so
 machine drift hits them alike; medians over ``--repeats`` rounds. ``--against`` builds another version of
 ``few_rows.cpp`` (``git show REV:hf_tidar/cpu/few_rows.cpp > OLD.cpp``) and times it in the same rounds,
-call for call beside this one: separate runs of this script drift by up to 30% on a shared VM.
+call for call beside this one: separate runs of this script drift by up to 30% on a shared VM. ``--packed``
+times the float32 product on column-packed weights (``packed_rows.cpp``, AVX-512 builds) as "this" and
+``few_rows.cpp``'s product on the same weights as "against" (each pool copy packed once beforehand).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import time
 
 import torch
 
-from hf_tidar.cpu.kernel import _cflags, built_kernel, cpu_flags, kernel_isa
+from hf_tidar.cpu.kernel import _cflags, built_kernel, cpu_flags, kernel_isa, packed_row_kernel
 
 SHAPES = ((1536, 576), (576, 1536), (576, 576), (192, 576))
 """SmolLM2-135M's linears (out x in): gate/up, down, q/o, k/v."""
@@ -43,12 +46,32 @@ def other_build(source: str, isa: str):
     return getattr(torch.ops, f"hf_tidar_cpu_other_{isa}").few_row_linear
 
 
-def time_shape(ops: dict, out_features: int, in_features: int, dtype: torch.dtype, repeats: int) -> dict:
+def packed_op():
+    """The column-packed product with few_row_linear's call shape, on weights (and factors) packed beforehand by
+    :func:`prepared`."""
+    _, multiply = packed_row_kernel()
+
+    def op(x, packed, bias, lora_a, lora_b, tail):
+        return multiply(x, packed[0], packed[1], bias, lora_a, lora_b, tail)
+    return op
+
+
+def prepared(name: str, packed: bool, weight: torch.Tensor):
+    """``weight`` as the op ``name`` takes it: for the packed product ("this" with ``--packed``), packed by columns
+    with its row count."""
+    return (packed_row_kernel()[0](weight), weight.shape[0]) if packed and name == "this" else weight
+
+
+def time_shape(ops: dict, out_features: int, in_features: int, dtype: torch.dtype, repeats: int,
+               packed: bool = False) -> dict:
     """Median µs per product for every op of ``ops`` and case of :data:`CASES` on one weight shape."""
     copies = max(2, int(POOL_BYTES // (out_features * in_features * dtype.itemsize)))
-    weights = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
+    pool = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
+    weights = {name: [prepared(name, packed, w) for w in pool] for name in ops}
     lora_a = (torch.randn(16, in_features) * 0.01).to(dtype)
     lora_b = (torch.randn(out_features, 16) * 0.01).to(dtype)
+    factors = {name: (lora_a, lora_b) if not (packed and name == "this") else
+               (packed_row_kernel()[0](lora_a), packed_row_kernel()[0](lora_b)) for name in ops}
     inputs = {case: torch.randn(case[0], in_features).to(dtype) for case in CASES}
     seconds = {(name, case): [] for name in ops for case in CASES}
     turn = 0
@@ -58,7 +81,7 @@ def time_shape(ops: dict, out_features: int, in_features: int, dtype: torch.dtyp
             for name, op in order:
                 x, tail = inputs[case], case[1]
                 start = time.perf_counter()
-                op(x, weights[turn % copies], None, lora_a, lora_b, tail)
+                op(x, weights[name][turn % copies], None, *factors[name], tail)
                 seconds[(name, case)].append(time.perf_counter() - start)
                 turn += 1
     return {key: statistics.median(values) * 1e6 for key, values in seconds.items()}
@@ -71,23 +94,30 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--against", default=None, help="another few_rows.cpp to time beside this one")
+    parser.add_argument("--packed", action="store_true",
+                        help="time the column-packed float32 product (packed_rows.cpp) against few_rows.cpp's")
     args = parser.parse_args()
+    if args.packed and (args.against or args.dtype != "float32" or packed_row_kernel() is None):
+        parser.error("--packed times the float32 packed product of an AVX-512 build against few_rows.cpp (no --against)")
     torch.set_num_threads(args.threads)
     isa = args.isa or kernel_isa()
     ops, dtype = {"this": built_kernel(isa)}, getattr(torch, args.dtype)
     if args.against:
         ops["against"] = other_build(args.against, isa)
+    if args.packed:
+        ops = {"this": packed_op(), "against": built_kernel(isa)}
     flags = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in cpu_flags())
     print(f"{platform.machine()}, flags {flags}; torch {torch.__version__}, {args.threads} threads; build {isa}, "
           f"{args.dtype}; median µs over {args.repeats} rounds, cold weights"
-          + (f"; 'against' is {args.against}, 'this' this checkout's kernel" if args.against else "") + "\n")
+          + (f"; 'against' is {args.against}, 'this' this checkout's kernel" if args.against else "")
+          + ("; 'against' is few_rows.cpp, 'this' the column-packed product" if args.packed else "") + "\n")
     names = list(ops)
     print("| weight (out x in) | " + " | ".join(f"{m} rows, tail {t}" if t < m else f"{m} rows" for m, t in CASES)
           + " |")
     print("|---" * (len(CASES) + 1) + "|")
     per_layer = dict.fromkeys(((name, case) for name in names for case in CASES), 0.0)
     for out_features, in_features in SHAPES:
-        times = time_shape(ops, out_features, in_features, dtype, args.repeats)
+        times = time_shape(ops, out_features, in_features, dtype, args.repeats, args.packed)
         for key, value in times.items():
             per_layer[key] += PER_LAYER[(out_features, in_features)] * value
         print(f"| {out_features} x {in_features} | "

@@ -24,7 +24,7 @@ from ..assets import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).with_name("few_rows.cpp"), Path(__file__).with_name("row_attention.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("few_rows.cpp", "packed_rows.cpp", "row_attention.cpp"))
 """The operator library's sources: the few-row matmul and the row-invariant attention."""
 
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
@@ -161,6 +161,22 @@ def kernel_takes_half_factors() -> bool:
         return False
     library = built_library(isa)
     return library is not None and bool(library.few_row_half_factors())
+
+
+def packed_row_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
+    """The float32 few-row matmul on column-packed weights (``packed_rows.cpp``), as ``(pack, multiply)``; ``None``
+    unless an AVX-512 build runs here.
+
+    ``pack(w [N, K]) -> [ceil(N / 16), K, 16]`` (float32 or float16 ``w``, float32 result);
+    ``multiply(x [M, K], packed, N, bias | None, lora_a_packed | None, lora_b_packed | None, tail_start) -> [M, N]``,
+    every tensor float32; rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. A row's result has the
+    same bits whatever ``M`` (not the same bits as :func:`few_row_kernel`'s).
+    """
+    isa = kernel_isa()
+    if _unavailable_reason(isa) is not None or isa not in ("avx512", "avx512_bf16"):
+        return None
+    library = built_library(isa)
+    return None if library is None else (library.pack_columns, library.packed_row_linear)
 
 
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:

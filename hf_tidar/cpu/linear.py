@@ -35,7 +35,15 @@ from torch import nn
 
 from ..assets import cache_root
 from ..mask_tail import ensure_mask_tail
-from .kernel import build_key, cpu_info, few_row_bf16_tail_kernel, few_row_kernel, kernel_takes_half_factors
+from .kernel import (
+    build_key,
+    cpu_info,
+    few_row_bf16_tail_kernel,
+    few_row_kernel,
+    kernel_takes_half_factors,
+    packed_row_kernel,
+)
+from .packed import ColumnPackedProduct, tensor_version
 
 logger = logging.getLogger(__name__)
 
@@ -306,10 +314,7 @@ with the earlier kernel, 3 rows gained a little (1.22x -> 1.19x) and 2 and 4 row
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:
     # Re-packed if the weight was changed in place since (its version counter moved).
-    try:
-        version = module.weight._version
-    except RuntimeError:  # an inference tensor (made under torch.inference_mode) keeps no version counter
-        version = 0
+    version = tensor_version(module.weight)
     if getattr(module, "_packed", None) is None or module._packed_version != version:
         module._packed = pack_for_onednn(module.weight)
         module._packed_version = version
@@ -334,7 +339,7 @@ def exact_choices() -> list[Choice]:
 
 
 def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
-           draft_dtype: torch.dtype | str | None = None) -> nn.Module:
+           draft_dtype: torch.dtype | str | None = None, packed: bool | None = None) -> nn.Module:
     """Make every CPU ``nn.Linear`` of ``model`` a :class:`MeasuredLinear` (in place; returns ``model``).
 
     Where this package's few-row kernel multiplies the weights' dtype, it takes every row count up to
@@ -351,6 +356,11 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     at least :data:`BF16_DRAFT_MIN_ROWS` rows, clean rows as before, bit for bit. Output stays exact; drafts
     may differ from float32 ones by rounding. Where it cannot run (another CPU or dtype) a warning says so
     and drafts stay in the weights' dtype.
+
+    ``packed`` (default ``True``, or ``False`` where the environment sets ``HF_TIDAR_CPU_PACKED=0``): on the AVX-512
+    builds, float32 weights are multiplied from a copy packed by columns (:mod:`hf_tidar.cpu.packed`), which makes
+    one-row steps and many-row passes cheaper; the copy takes the weights' memory once more. Not with bfloat16
+    drafts, whose clean rows must have the unpacked kernel's bits.
     """
     plans: dict[tuple, list[Choice]] = {}
     dtypes = set()
@@ -375,7 +385,22 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
         _use_row_attention(model, dtypes)
     if draft_dtype is not None:
         _draft_in(model, draft_dtype)
+    if packed if packed is not None else os.environ.get("HF_TIDAR_CPU_PACKED", "1") != "0":
+        _pack_columns(model)
     return model
+
+
+def _pack_columns(model: nn.Module) -> None:
+    """Give ``model``'s float32 kernel linears the column-packed product, where it builds; not linears with
+    bfloat16 draft rows (that operator's clean rows have the unpacked kernel's bits, which an AR step must match)."""
+    kernel = packed_row_kernel()
+    if kernel is None:
+        return
+    for module in model.modules():
+        state = module.__dict__
+        if isinstance(module, nn.Linear) and state.get("plan_dtype") == torch.float32 \
+                and state.get("few_row_op") is not None and state.get("draft_op") is None:
+            module.few_row_op = ColumnPackedProduct(*kernel)
 
 
 def _give_half_factors(module: nn.Module) -> None:
@@ -417,6 +442,11 @@ def _draft_in(model: nn.Module, draft_dtype: torch.dtype | str) -> None:
         if isinstance(getattr(module, "lora_a", None), torch.Tensor):  # the lean adapter's factors
             module.lora_a16 = module.lora_a.to(torch.bfloat16)
             module.lora_b16 = module.lora_b.to(torch.bfloat16)
+
+
+def is_packed(model: nn.Module) -> bool:
+    """Whether :func:`enable` gave any linear of ``model`` the column-packed product (see :func:`enable`'s ``packed``)."""
+    return any(isinstance(m.__dict__.get("few_row_op"), ColumnPackedProduct) for m in model.modules())
 
 
 def draft_dtype_of(model: nn.Module) -> torch.dtype | None:

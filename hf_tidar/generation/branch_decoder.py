@@ -27,10 +27,12 @@ from .drafters import Drafts, truncated
 from .tidar_decoder import Choices, Row, TidarDecoder
 
 MAX_PASS_ROWS = 8
-"""Most query rows a branching pass takes (``d_0``, the drafts, the masks): the few-row kernel works in tiles of up to
-4 rows, and on SmolLM2 (Zen 4, 2 threads, float32, the shipped adapter; benchmarks/branch_pass_cost.py) a pass of
-4-8 rows costs 1.07-1.31x an AR step, about 4% a row, where 9 rows cost 1.40-1.50x. Branches beyond it are cut,
-their later drafts first."""
+"""Most query rows a branching pass takes (``d_0``, the drafts, the masks). On SmolLM2 with the shipped adapter (Zen 4,
+2 threads, float32; benchmarks/branch_pass_cost.py) each row adds about 6-7% of an AR step to a pass on column-packed
+weights (3 rows 1.08x, 8 rows 1.31x, 12 rows 1.65x) and 3-9% on the dot-product kernel, whose row tiles are 4 high
+(8 rows 1.21x, 9 rows 1.29x, 12 rows 1.54x of its dearer AR step). The limit was set where that kernel's cost jumped
+(a third row tile from 9 rows); on packed weights the cost rises evenly and 8 has not been tuned again. Branches
+beyond it are cut, their later drafts first."""
 
 
 def within_rows(branches: list[Drafts], drafts: int) -> list[Drafts]:

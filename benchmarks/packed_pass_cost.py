@@ -1,0 +1,84 @@
+"""A TiDAR pass and an AR step with the shipped adapter, on column-packed weights and on the dot-product kernel.
+
+    python benchmarks/packed_pass_cost.py --repeats 40 [--threads 2]
+
+SmolLM2-135M-Instruct in float32 on the measured CPU path (``hf_tidar.cpu.enable``), the shipped adapter in its
+lean form, twice: with ``packed=True`` (the default: float32 weights packed by columns, ``packed_rows.cpp``) and
+``packed=False`` (the dot-product kernel of ``few_rows.cpp``). For each layout, a pass (the query's hidden states
+and the LM head over its projected rows) and a one-token AR step on a 120-token cache (cropped back after every
+call), the calls alternating between the two models; medians, one line per layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import platform
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache
+
+from hf_tidar import cpu
+from hf_tidar.assets import SHIPPED_ADAPTER
+from hf_tidar.checkpoints import load_smollm2
+from hf_tidar.cpu.kernel import cpu_flags
+from hf_tidar.generation.draft_plan import DraftPlan
+from hf_tidar.training.gated_lora import load_tidar_adapter
+
+PREFIX = 120
+LAYOUTS = ((2, (1,)), (2, (1, 2)), (3, (1,)), (3, (1, 2, 3)))
+"""(k, pre-draft groups): k = 2 and 3 with the first group, and with every group."""
+
+
+def timed(model, ids: torch.Tensor, cache: DynamicCache, plan: DraftPlan | None) -> float:
+    """Seconds for one pass of ``ids`` under ``plan`` (an AR step without one); the cache is cropped back after."""
+    positions = torch.arange(PREFIX, PREFIX + ids.shape[1])[None]
+    start = time.perf_counter()
+    if plan is None:
+        model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+    else:
+        hidden = model.structured_hidden_states(ids, None, cache, position_ids=positions, mask_tail_start=plan.draft_len)
+        model.vocab_logits(hidden[:, list(plan.projected_rows)], draft_rows_from=plan.draft_len)
+    seconds = time.perf_counter() - start
+    cache.crop(PREFIX - cache.get_seq_length())
+    return seconds
+
+
+@torch.inference_mode()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ar, tokenizer = load_smollm2(quiet=True)
+    models = {}
+    for name, packed in (("packed", True), ("unpacked", False)):
+        models[name] = load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True)
+        cpu.enable(models[name], packed=packed)
+    prefix = torch.randint(100, 20000, (1, PREFIX), generator=torch.Generator().manual_seed(0))
+    mask_id = models["packed"].require_mask_token_id()
+    caches = {name: DynamicCache(config=model.config) for name, model in models.items()}
+    for name, model in models.items():
+        model(input_ids=prefix, cache=caches[name], use_cache=True, logits_to_keep=1)
+    flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16") if f in cpu_flags())
+    print(f"{platform.processor() or platform.machine()}, flags {flags}; torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads; float32; a {PREFIX}-token cache; median of {args.repeats} alternating calls")
+    for k, groups in LAYOUTS:
+        plan = DraftPlan(k, groups)
+        ids = torch.cat([prefix[:, -k:], torch.full((1, plan.query_len - k), mask_id)], dim=1)
+        samples = {(name, what): [] for name in models for what in ("pass", "ar")}
+        for _ in range(args.repeats + 2):  # the first two calls warm up
+            for name, model in models.items():
+                samples[(name, "pass")].append(timed(model, ids, caches[name], plan))
+                samples[(name, "ar")].append(timed(model, prefix[:, -1:], caches[name], None))
+        ms = {key: statistics.median(values[2:]) * 1e3 for key, values in samples.items()}
+        print(f"k = {k}, groups {list(groups)}, {plan.query_len} rows: " + "; ".join(
+            f"{name}: AR step {ms[(name, 'ar')]:.1f} ms, pass {ms[(name, 'pass')]:.1f} ms = "
+            f"{ms[(name, 'pass')] / ms[(name, 'ar')]:.2f}x" for name in models), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""The float32 few-row product on column-packed weights (AVX-512 builds): the linear it stands for, a row's bits
+independent of the row count, the LoRA tail, re-packing after a weight change, and where it is (not) used."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from toy import tiny_ar_model, train_counting_tidar
+
+from hf_tidar import TidarForCausalLM, cpu
+from hf_tidar.cpu import linear as measured
+from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel, packed_row_kernel
+from hf_tidar.cpu.packed import ColumnPackedProduct
+from hf_tidar.generation.cost_profile import profile_key
+
+needs_packed = pytest.mark.skipif(packed_row_kernel() is None, reason="the packed product needs an AVX-512 build")
+
+
+@pytest.fixture(autouse=True)
+def small_profiles(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(measured, "COLD_BYTES", 1 << 16)
+
+
+def _reference(x, weight, bias=None, lora_a=None, lora_b=None, tail=None):
+    """The product in float64, rounded once."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out += bias.double()
+    if lora_a is not None:
+        out[tail:] += (x[tail:].double() @ lora_a.double().T) @ lora_b.double().T
+    return out.float()
+
+
+@needs_packed
+@pytest.mark.parametrize("out_features,in_features", [(48, 32), (37, 19), (200, 72)])  # whole and partial blocks
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 12, 13, 30])  # every tile height, and several row tiles
+def test_the_packed_product_is_the_linear_and_a_rows_bits_do_not_depend_on_the_row_count(out_features, in_features,
+                                                                                          rows):
+    pack, multiply = packed_row_kernel()
+    generator = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(out_features, in_features, generator=generator), torch.randn(out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    packed = pack(weight)
+    assert packed.shape == ((out_features + 15) // 16, in_features, 16)
+    got = multiply(x, packed, out_features, bias, None, None, rows)
+    torch.testing.assert_close(got, _reference(x, weight, bias), rtol=1e-5, atol=1e-5)
+    for row in range(rows):  # each row alone, as a one-row AR step computes it: the same bits
+        assert torch.equal(multiply(x[row:row + 1].contiguous(), packed, out_features, bias, None, None, 1), got[row:row + 1])
+
+
+@needs_packed
+@pytest.mark.parametrize("rank", [4, 16, 20])
+@pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (5, 5)])
+def test_the_lora_tail_is_added_to_the_tail_rows_only(rank, rows, tail):
+    pack, multiply = packed_row_kernel()
+    generator = torch.Generator().manual_seed(rank + rows)
+    weight = torch.randn(40, 24, generator=generator)
+    lora_a, lora_b = torch.randn(rank, 24, generator=generator), torch.randn(40, rank, generator=generator)
+    x = torch.randn(rows, 24, generator=generator)
+    plain = multiply(x, pack(weight), 40, None, None, None, rows)
+    got = multiply(x, pack(weight), 40, None, pack(lora_a), pack(lora_b), tail)
+    torch.testing.assert_close(got, _reference(x, weight, None, lora_a, lora_b, tail), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[:tail], plain[:tail])  # clean rows: the base product, bit for bit
+
+
+@needs_packed
+def test_float16_lora_b_gives_the_bits_of_its_float32_values():
+    pack, multiply = packed_row_kernel()
+    generator = torch.Generator().manual_seed(3)
+    weight, lora_a = torch.randn(40, 24, generator=generator), torch.randn(16, 24, generator=generator)
+    lora_b = torch.randn(40, 16, generator=generator).half()
+    assert pack(lora_b).dtype == torch.float16 and torch.equal(pack(lora_b).float(), pack(lora_b.float()))
+    x = torch.randn(7, 24, generator=generator)
+    half = multiply(x, pack(weight), 40, None, pack(lora_a), pack(lora_b), 2)
+    assert torch.equal(half, multiply(x, pack(weight), 40, None, pack(lora_a), pack(lora_b.float()), 2))
+
+
+@needs_packed
+def test_the_product_follows_weight_changes_and_refuses_bad_layouts():
+    pack, multiply = packed_row_kernel()
+    product = ColumnPackedProduct(pack, multiply)
+    layer = torch.nn.Linear(24, 20)
+    x = torch.randn(3, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(product(x, layer.weight, layer.bias, None, None, 3), F.linear(x, layer.weight, layer.bias))
+        layer.weight.mul_(-2)  # in place: the version counter moves
+        torch.testing.assert_close(product(x, layer.weight, layer.bias, None, None, 3), F.linear(x, layer.weight, layer.bias))
+        layer.weight = torch.nn.Parameter(torch.randn(20, 24))  # another tensor
+        torch.testing.assert_close(product(x, layer.weight, layer.bias, None, None, 3), F.linear(x, layer.weight, layer.bias))
+    with pytest.raises(RuntimeError, match="pack_columns' layout"):
+        multiply(x, layer.weight.detach().contiguous(), 20, None, None, None, 3)  # an unpacked weight
+
+
+@needs_packed
+def test_enable_packs_float32_linears_unless_told_not_to_or_drafts_are_bfloat16(monkeypatch):
+    model = tiny_ar_model(vocab_size=40).float()
+    monkeypatch.setenv("HF_TIDAR_CPU_PACKED", "0")
+    assert not measured.is_packed(cpu.enable(model))
+    monkeypatch.delenv("HF_TIDAR_CPU_PACKED")
+    cpu.enable(model)
+    assert all(isinstance(m.few_row_op, ColumnPackedProduct) for m in model.modules() if isinstance(m, torch.nn.Linear))
+    packed_key = profile_key(model)
+    cpu.enable(model, packed=False)
+    assert not measured.is_packed(model)
+    assert profile_key(model) != packed_key  # the cost curve that prices `auto` layouts is measured for each
+    if few_row_bf16_tail_kernel() is not None:
+        tidar = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=32).float(), block_size=4)
+        cpu.enable(tidar, draft_dtype=torch.bfloat16)
+        linears = [m for m in tidar.modules() if isinstance(m, torch.nn.Linear)]
+        assert linears and all(m.draft_op is not None for m in linears)
+        assert not any(isinstance(m.few_row_op, ColumnPackedProduct) for m in linears)
+
+
+@needs_packed
+@pytest.mark.parametrize("draft_length,groups", [(3, None), (4, [1])])
+def test_greedy_tidar_on_packed_linears_equals_ar_and_matches_the_unpacked_tokens(draft_length, groups):
+    model = train_counting_tidar(block_size=4, steps=150)
+    unpacked = copy.deepcopy(model)
+    cpu.enable(model)
+    cpu.enable(unpacked, packed=False)
+    prompts = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
+    settings = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ar = model.generate(prompts, **settings)
+        out = model.generate(prompts, strategy="tidar", draft_length=draft_length, draft_groups=groups,
+                             return_dict_in_generate=True, **settings)
+        assert torch.equal(out.sequences, ar)
+        assert torch.equal(unpacked.generate(prompts, **settings), ar)  # another rounding order, the same tokens here
+    assert out.sequences.shape[1] - prompts.shape[1] > int(out.forward_passes.max()) + 1  # drafts were accepted
