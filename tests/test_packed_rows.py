@@ -129,3 +129,15 @@ def test_greedy_tidar_on_packed_linears_equals_ar_and_matches_the_unpacked_token
         assert torch.equal(out.sequences, ar)
         assert torch.equal(unpacked.generate(prompts, **settings), ar)  # another rounding order, the same tokens here
     assert out.sequences.shape[1] - prompts.shape[1] > int(out.forward_passes.max()) + 1  # drafts were accepted
+
+
+@needs_packed
+def test_weights_stay_unpacked_with_a_warning_where_memory_is_short_unless_packing_is_asked_for(monkeypatch):
+    model = tiny_ar_model(vocab_size=40).float()
+    monkeypatch.setattr(measured, "available_memory", lambda: 1000)  # bytes: less than twice any copy
+    with pytest.warns(UserWarning, match="stay unpacked"):
+        cpu.enable(model)
+    assert not measured.is_packed(model)
+    assert measured.is_packed(cpu.enable(model, packed=True))  # asked for: packed regardless
+    monkeypatch.setattr(measured, "available_memory", lambda: None)  # unknown: packed
+    assert measured.is_packed(cpu.enable(model))

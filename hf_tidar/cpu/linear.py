@@ -357,10 +357,12 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     may differ from float32 ones by rounding. Where it cannot run (another CPU or dtype) a warning says so
     and drafts stay in the weights' dtype.
 
-    ``packed`` (default ``True``, or ``False`` where the environment sets ``HF_TIDAR_CPU_PACKED=0``): on the AVX-512
-    builds, float32 weights are multiplied from a copy packed by columns (:mod:`hf_tidar.cpu.packed`), which makes
-    one-row steps and many-row passes cheaper; the copy takes the weights' memory once more. Not with bfloat16
-    drafts, whose clean rows must have the unpacked kernel's bits.
+    ``packed``: on the AVX-512 builds, float32 weights are multiplied from a copy packed by columns
+    (:mod:`hf_tidar.cpu.packed`), which makes one-row steps and many-row passes cheaper; the copy takes the weights'
+    memory once more. By default (``None``) they are packed unless the environment sets ``HF_TIDAR_CPU_PACKED=0``
+    or the copies would take more than :data:`PACKED_MEMORY_SHARE` of the memory available (then a warning says
+    so); ``True`` packs regardless, ``False`` never. Not with bfloat16 drafts, whose clean rows must have the
+    unpacked kernel's bits.
     """
     plans: dict[tuple, list[Choice]] = {}
     dtypes = set()
@@ -386,21 +388,47 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     if draft_dtype is not None:
         _draft_in(model, draft_dtype)
     if packed if packed is not None else os.environ.get("HF_TIDAR_CPU_PACKED", "1") != "0":
-        _pack_columns(model)
+        _pack_columns(model, check_memory=packed is None)
     return model
 
 
-def _pack_columns(model: nn.Module) -> None:
+PACKED_MEMORY_SHARE = 0.5
+""":func:`enable` packs weights by default only where the packed copies take at most this share of the memory
+available at the time (Linux's ``MemAvailable``; where that is unknown, it packs)."""
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available now (``MemAvailable`` of ``/proc/meminfo``), or ``None`` where that is unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _pack_columns(model: nn.Module, check_memory: bool) -> None:
     """Give ``model``'s float32 kernel linears the column-packed product, where it builds; not linears with
-    bfloat16 draft rows (that operator's clean rows have the unpacked kernel's bits, which an AR step must match)."""
+    bfloat16 draft rows (that operator's clean rows have the unpacked kernel's bits, which an AR step must match).
+    With ``check_memory``, not where the copies would take more than :data:`PACKED_MEMORY_SHARE` of the memory
+    available (a warning says so)."""
     kernel = packed_row_kernel()
     if kernel is None:
         return
-    for module in model.modules():
-        state = module.__dict__
-        if isinstance(module, nn.Linear) and state.get("plan_dtype") == torch.float32 \
-                and state.get("few_row_op") is not None and state.get("draft_op") is None:
-            module.few_row_op = ColumnPackedProduct(*kernel)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.__dict__.get("plan_dtype") == torch.float32
+               and m.__dict__.get("few_row_op") is not None and m.__dict__.get("draft_op") is None]
+    copies = sum(m.weight.numel() * m.weight.element_size() for m in linears)  # a tied weight is packed per linear
+    available = available_memory() if check_memory else None
+    if available is not None and copies > PACKED_MEMORY_SHARE * available:
+        warnings.warn(f"hf_tidar.cpu.enable: packing the float32 weights by columns would take {copies / 2**30:.1f} GiB "
+                      f"more memory, over {PACKED_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available; they "
+                      "stay unpacked (many-row passes cost more). enable(model, packed=True) packs them anyway.",
+                      stacklevel=3)
+        return
+    for module in linears:
+        module.few_row_op = ColumnPackedProduct(*kernel)
 
 
 def _give_half_factors(module: nn.Module) -> None:
