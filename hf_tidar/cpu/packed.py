@@ -1,8 +1,9 @@
 """One float32 linear's few-row product on a column-packed copy of its weight (``packed_rows.cpp``).
 
 The few-row kernel on nn.Linear's own ``[N, K]`` layout overlaps its memory traffic and its arithmetic poorly
-once a pass has many rows (a 12-row SmolLM2 layer cost ~1.5x a one-row one on a Zen 4 CPU). Packed as
-``[N / 16, K, 16]``, every row of a pass shares one sweep over contiguous column blocks (~1.25x). The packed copy
+once a pass has many rows (a 12-row SmolLM2 layer cost 1.67x a one-row one on a Zen 4 CPU). Packed as
+``[N / 16, K, 16]``, every row of a pass shares one sweep over contiguous column blocks (1.40x, and the one-row
+product itself 9% cheaper; benchmarks/kernel_rows.py --packed). The packed copy
 is made on first use and again whenever the weight changes (its version counter moves, or the module gets
 another tensor); it costs the weight's size in memory once more, for as long as :func:`hf_tidar.cpu.enable`
 is on (``enable(model, packed=False)`` keeps the unpacked kernel and no copy).

@@ -2,12 +2,12 @@
 //
 // few_rows.cpp keeps nn.Linear's [N, K] layout: a tile of 3 weight rows is one dot product per output, and a
 // 12-row pass goes over it in three row tiles. Its arithmetic and its memory traffic then hardly overlap: on a
-// Zen 4 CPU one SmolLM2 layer costs ~790 µs at 12 rows against ~540 at one row. Here the weight is packed once
+// Zen 4 CPU one SmolLM2 layer cost 816 µs at 12 rows against 488 at one row. Here the weight is packed once
 // (pack_columns) as [N/16][K][16]: the 16 outputs of a column block lie side by side at every k, so a row tile
 // broadcasts x[i, k] and multiply-adds it into 16 outputs at once (outer products, as oneDNN does), and all
 // rows of a pass (up to 12) share one sweep over the block: every weight byte is read once, in a few
-// contiguous streams the hardware prefetchers follow. Measured on that CPU (benchmarks/kernel_rows.py): one
-// layer 537 -> 483 µs at one row, 579 -> 535 at 8, 790 -> 601 at 12.
+// contiguous streams the hardware prefetchers follow. Measured on that CPU (benchmarks/kernel_rows.py --packed,
+// LoRA tails as in a pass): one layer 488 -> 442 µs at one row, 566 -> 494 at 8, 816 -> 617 at 12.
 //
 // Each output lane sums x[i, k] * w[n, k] for k = 0, 1, ..., K - 1 in that order, then adds the bias: the
 // order depends only on K, never on M or on which rows share a tile, so a row's result is bit for bit the same
