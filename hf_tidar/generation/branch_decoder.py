@@ -26,13 +26,14 @@ from .draft_plan import BranchPlan
 from .drafters import Drafts, truncated
 from .tidar_decoder import Choices, Row, TidarDecoder
 
-MAX_PASS_ROWS = 8
-"""Most query rows a branching pass takes (``d_0``, the drafts, the masks). On SmolLM2 with the shipped adapter (Zen 4,
-2 threads, float32; benchmarks/branch_pass_cost.py) each row adds about 6-7% of an AR step to a pass on column-packed
-weights (3 rows 1.08x, 8 rows 1.31x, 12 rows 1.65x) and 3-9% on the dot-product kernel, whose row tiles are 4 high
-(8 rows 1.21x, 9 rows 1.29x, 12 rows 1.54x of its dearer AR step). The limit was set where that kernel's cost jumped
-(a third row tile from 9 rows); on packed weights the cost rises evenly and 8 has not been tuned again. Branches
-beyond it are cut, their later drafts first."""
+MAX_PASS_ROWS = 10
+"""Most query rows a branching pass takes (``d_0``, the drafts, the masks); branches beyond it are cut, their later
+drafts first. On SmolLM2 with the shipped adapter (Zen 4, 2 threads, float32) each row adds about 6-7% of an AR step
+to a pass on column-packed weights (benchmarks/branch_pass_cost.py: 3 rows 1.08x, 8 rows 1.31x, 12 rows 1.65x), and
+k = 2 with every source on the 22 held-out prompts (benchmarks/results/smollm2-pass-rows-cap-zen4/, 3 interleaved
+rounds) ran at 47.8 / 48.5 / 49.7 / 49.9 tokens/s with a cap of 6 / 8 / 10 / 12 rows (1.72 / 1.78 / 1.80 / 1.80 tokens
+per pass): past 10 no pass on those prompts was cut. The earlier cap of 8 was set where the dot-product kernel's cost
+jumped (a third row tile of 4 from 9 rows)."""
 
 
 def within_rows(branches: list[Drafts], drafts: int) -> list[Drafts]:
