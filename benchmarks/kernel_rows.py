@@ -47,8 +47,8 @@ def other_build(source: str, isa: str):
 
 
 def packed_op():
-    """The column-packed product with few_row_linear's call shape, on weights (and factors) packed beforehand by
-    :func:`prepared`."""
+    """The column-packed product with few_row_linear's call shape, on weights (with their row count) and factors
+    packed beforehand by :func:`time_shape`."""
     _, multiply = packed_row_kernel()
 
     def op(x, packed, bias, lora_a, lora_b, tail):
@@ -56,22 +56,18 @@ def packed_op():
     return op
 
 
-def prepared(name: str, packed: bool, weight: torch.Tensor):
-    """``weight`` as the op ``name`` takes it: for the packed product ("this" with ``--packed``), packed by columns
-    with its row count."""
-    return (packed_row_kernel()[0](weight), weight.shape[0]) if packed and name == "this" else weight
-
-
 def time_shape(ops: dict, out_features: int, in_features: int, dtype: torch.dtype, repeats: int,
                packed: bool = False) -> dict:
     """Median µs per product for every op of ``ops`` and case of :data:`CASES` on one weight shape."""
     copies = max(2, int(POOL_BYTES // (out_features * in_features * dtype.itemsize)))
     pool = [torch.randn(out_features, in_features).to(dtype) for _ in range(copies)]
-    weights = {name: [prepared(name, packed, w) for w in pool] for name in ops}
     lora_a = (torch.randn(16, in_features) * 0.01).to(dtype)
     lora_b = (torch.randn(out_features, 16) * 0.01).to(dtype)
-    factors = {name: (lora_a, lora_b) if not (packed and name == "this") else
-               (packed_row_kernel()[0](lora_a), packed_row_kernel()[0](lora_b)) for name in ops}
+    weights, factors = {}, {}
+    for name in ops:  # the packed product ("this" with --packed) takes packed weights (with their row count) and factors
+        pack = packed_row_kernel()[0] if packed and name == "this" else None
+        weights[name] = [(pack(w), out_features) if pack else w for w in pool]
+        factors[name] = (pack(lora_a), pack(lora_b)) if pack else (lora_a, lora_b)
     inputs = {case: torch.randn(case[0], in_features).to(dtype) for case in CASES}
     seconds = {(name, case): [] for name in ops for case in CASES}
     turn = 0

@@ -15,9 +15,11 @@ import argparse
 import copy
 import platform
 import statistics
-import time
 
 import torch
+
+# A script beside this one (run as `python benchmarks/...`, this folder is on the path): the same timed pass.
+from adapter_cost import PREFIX, timed_forward
 from transformers import DynamicCache
 
 from hf_tidar import cpu
@@ -27,23 +29,8 @@ from hf_tidar.cpu.kernel import cpu_flags
 from hf_tidar.generation.draft_plan import DraftPlan
 from hf_tidar.training.gated_lora import load_tidar_adapter
 
-PREFIX = 120
 LAYOUTS = ((2, (1,)), (2, (1, 2)), (3, (1,)), (3, (1, 2, 3)))
 """(k, pre-draft groups): k = 2 and 3 with the first group, and with every group."""
-
-
-def timed(model, ids: torch.Tensor, cache: DynamicCache, plan: DraftPlan | None) -> float:
-    """Seconds for one pass of ``ids`` under ``plan`` (an AR step without one); the cache is cropped back after."""
-    positions = torch.arange(PREFIX, PREFIX + ids.shape[1])[None]
-    start = time.perf_counter()
-    if plan is None:
-        model(input_ids=ids, cache=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
-    else:
-        hidden = model.structured_hidden_states(ids, None, cache, position_ids=positions, mask_tail_start=plan.draft_len)
-        model.vocab_logits(hidden[:, list(plan.projected_rows)], draft_rows_from=plan.draft_len)
-    seconds = time.perf_counter() - start
-    cache.crop(PREFIX - cache.get_seq_length())
-    return seconds
 
 
 @torch.inference_mode()
@@ -72,8 +59,8 @@ def main() -> None:
         samples = {(name, what): [] for name in models for what in ("pass", "ar")}
         for _ in range(args.repeats + 2):  # the first two calls warm up
             for name, model in models.items():
-                samples[(name, "pass")].append(timed(model, ids, caches[name], plan))
-                samples[(name, "ar")].append(timed(model, prefix[:, -1:], caches[name], None))
+                samples[(name, "pass")].append(timed_forward(model, ids, caches[name], plan))
+                samples[(name, "ar")].append(timed_forward(model, prefix[:, -1:], caches[name], None))
         ms = {key: statistics.median(values[2:]) * 1e3 for key, values in samples.items()}
         print(f"k = {k}, groups {list(groups)}, {plan.query_len} rows: " + "; ".join(
             f"{name}: AR step {ms[(name, 'ar')]:.1f} ms, pass {ms[(name, 'pass')]:.1f} ms = "

@@ -61,8 +61,9 @@ def build_demo_model(ar_model, tokenizer, adapter: Path | None, block_size: int)
 
 DEMO_TIDAR_SETTINGS = dict(draft_length=2, draft_source="both")
 """What the demo runs: every draft source in one pass (prompt lookup, the adapter's datastore and its diffusion
-slot, as sibling branches) with one pre-draft group of 2 masks: passes of 3-8 rows, 1.07-1.31x an AR step on a
-small CPU. On 22 held-out prompts it committed 1.68 tokens a pass, against 1.51 for one source per pass."""
+slot, as sibling branches) with one pre-draft group of 2 masks: passes of 3 to
+:data:`~hf_tidar.generation.branch_decoder.MAX_PASS_ROWS` rows. On 22 held-out prompts it committed 1.68 tokens a
+pass, against 1.51 for one source per pass (BENCHMARKS.md has what a pass costs on the project's CPUs)."""
 
 
 def run_demo(

@@ -30,7 +30,7 @@ def _with_plan(linear: torch.nn.Linear, choice: Choice) -> torch.nn.Linear:
     linear.choices = [choice] * measured.MAX_ROWS
     linear.plan_dtype = linear.weight.dtype
     linear.few_row_op = few_row_kernel() if choice.method == "few_rows" else None
-    linear._packed, linear._packed_version = None, -1
+    linear._packed = None  # made on first use
     return linear
 
 

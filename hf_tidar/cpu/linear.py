@@ -43,7 +43,7 @@ from .kernel import (
     kernel_takes_half_factors,
     packed_row_kernel,
 )
-from .packed import ColumnPackedProduct, tensor_version
+from .packed import ColumnPackedProduct, PackedCopy
 
 logger = logging.getLogger(__name__)
 
@@ -313,12 +313,11 @@ with the earlier kernel, 3 rows gained a little (1.22x -> 1.19x) and 2 and 4 row
 
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:
-    # Re-packed if the weight was changed in place since (its version counter moved).
-    version = tensor_version(module.weight)
-    if getattr(module, "_packed", None) is None or module._packed_version != version:
-        module._packed = pack_for_onednn(module.weight)
-        module._packed_version = version
-    return module._packed
+    """``module``'s weight in oneDNN's layout, re-packed when the weight changes (:class:`.packed.PackedCopy`)."""
+    copy = module.__dict__.get("_packed")
+    if copy is None:
+        copy = module._packed = PackedCopy(pack_for_onednn)
+    return copy.of(module.weight)
 
 
 class MeasuredLinear(nn.Linear):
@@ -381,14 +380,16 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
         module.few_row_op = few_row_kernel(key[2])
         module.plan_dtype = key[2]
         _give_half_factors(module)
-        module._packed = None
-        module._packed_version = -1
+        module._packed = PackedCopy(pack_for_onednn)
     if attention and dtypes:
         _use_row_attention(model, dtypes)
     if draft_dtype is not None:
         _draft_in(model, draft_dtype)
-    if packed if packed is not None else os.environ.get("HF_TIDAR_CPU_PACKED", "1") != "0":
-        _pack_columns(model, check_memory=packed is None)
+    check_memory = packed is None  # by default, packing waits on the memory available; asked for, it does not
+    if packed is None:
+        packed = os.environ.get("HF_TIDAR_CPU_PACKED", "1") != "0"
+    if packed:
+        _pack_columns(model, check_memory)
     return model
 
 
@@ -502,7 +503,7 @@ def disable(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear
-        for name in ("choices", "few_row_op", "plan_dtype", "_packed", "_packed_version", "draft_op", "draft_tail",
+        for name in ("choices", "few_row_op", "plan_dtype", "_packed", "draft_op", "draft_tail",
                      "lora_a16", "lora_b16", "kernel_factors"):
             module.__dict__.pop(name, None)
     before = model.__dict__.pop("_hf_tidar_attention_before", None)

@@ -23,35 +23,41 @@ def tensor_version(tensor: torch.Tensor) -> int:
     return 0 if tensor.is_inference() else tensor._version
 
 
+class PackedCopy:
+    """A copy of a tensor made by ``pack``, made again whenever the tensor changes: another tensor object, or the
+    same one changed in place (its version counter moved). Keeps the tensor it copied alive, to tell."""
+
+    __slots__ = ("_pack", "_source", "_version", "_copy")
+
+    def __init__(self, pack: Callable[[torch.Tensor], torch.Tensor]):
+        self._pack, self._source, self._version, self._copy = pack, None, None, None
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The copy of ``tensor`` (made now if ``tensor`` is not what the last copy was made of)."""
+        version = tensor_version(tensor)
+        if tensor is not self._source or version != self._version:
+            self._copy = self._pack(tensor.detach())
+            self._source, self._version = tensor, version
+        return self._copy
+
+
 class ColumnPackedProduct:
     """A drop-in for the few-row operator of one linear: ``(x, weight, bias, lora_a, lora_b, tail_start) -> y``,
-    computed from packed copies of ``weight`` (and of the LoRA factors), each re-packed when it changes."""
+    computed from packed copies of ``weight`` and of the LoRA factors, each re-packed when it changes."""
 
-    __slots__ = ("_pack", "_multiply", "_weight", "_weight_version", "_packed", "_factors", "_factor_versions",
-                 "_packed_factors")
+    __slots__ = ("_multiply", "_weight", "_lora_a", "_lora_b")
 
     def __init__(self, pack: Callable[..., torch.Tensor], multiply: Callable[..., torch.Tensor]):
-        self._pack, self._multiply = pack, multiply
-        self._weight = self._packed = self._factors = self._packed_factors = None
-        self._weight_version = self._factor_versions = None
+        self._multiply = multiply
+        self._weight = PackedCopy(pack)
+        # lora_a in float32 (its codes are a small product of their own); lora_b as given: float16 factors (exact
+        # ones, see hf_tidar.cpu.linear) halve its stream, which goes past next to every weight.
+        self._lora_a = PackedCopy(lambda a: pack(a.float().contiguous()))
+        self._lora_b = PackedCopy(lambda b: pack(b.contiguous()))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor | None,
                  lora_b: torch.Tensor | None, tail_start: int) -> torch.Tensor:
-        if weight is not self._weight or tensor_version(weight) != self._weight_version:
-            self._packed = self._pack(weight.detach())
-            self._weight, self._weight_version = weight, tensor_version(weight)
         packed_a = packed_b = None
         if lora_a is not None and tail_start < x.shape[0]:
-            packed_a, packed_b = self._lora(lora_a, lora_b)
-        return self._multiply(x, self._packed, weight.shape[0], bias, packed_a, packed_b, tail_start)
-
-    def _lora(self, lora_a: torch.Tensor, lora_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        versions = (tensor_version(lora_a), tensor_version(lora_b))
-        if self._factors is None or self._factors[0] is not lora_a or self._factors[1] is not lora_b \
-                or versions != self._factor_versions:
-            # lora_a in float32 (its codes are a small product of their own); lora_b as given: float16 factors (exact
-            # ones, see hf_tidar.cpu.linear) halve its stream, which goes past next to every weight.
-            self._packed_factors = (self._pack(lora_a.detach().float().contiguous()),
-                                    self._pack(lora_b.detach().contiguous()))
-            self._factors, self._factor_versions = (lora_a, lora_b), versions
-        return self._packed_factors
+            packed_a, packed_b = self._lora_a.of(lora_a), self._lora_b.of(lora_b)
+        return self._multiply(x, self._weight.of(weight), weight.shape[0], bias, packed_a, packed_b, tail_start)
