@@ -11,6 +11,8 @@
 // order, then the value sum in key order. With the row-invariant linears this makes greedy TiDAR equal
 // AR bit for bit, in bfloat16 too.
 
+#include <immintrin.h>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -57,6 +59,24 @@ inline Floats16 load16(const c10::BFloat16* p) {
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
+// a * b + c, rounded once, spelled out: left to the compiler, whether `c + a * b` becomes one fused
+// instruction (and which product of `x * y + z * w` it fuses) depends on the surrounding code, and a score
+// must get the same bits wherever it is computed.
+inline Floats16 fma16(Floats16 a, Floats16 b, Floats16 c) {
+#ifdef __AVX512F__
+  return (Floats16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  typedef float Floats8 __attribute__((vector_size(32)));
+  const Floats8 lo = (Floats8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7),
+                                              (__m256)__builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7),
+                                              (__m256)__builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7));
+  const Floats8 hi = (Floats8)_mm256_fmadd_ps((__m256)__builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              (__m256)__builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              (__m256)__builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15));
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#endif
+}
+
 // The sum of 16 lanes, by halves (the same tree for every call).
 inline float sum16(Floats16 v) {
   typedef float Floats8 __attribute__((vector_size(32)));
@@ -72,11 +92,11 @@ template <class T>
 inline float dot(const float* q, const T* k, int64_t dim) {
   if (dim % 16 == 0) {
     Floats16 acc = load16(q) * load16(k);
-    for (int64_t d = 16; d < dim; d += 16) acc += load16(q + d) * load16(k + d);
+    for (int64_t d = 16; d < dim; d += 16) acc = fma16(load16(q + d), load16(k + d), acc);
     return sum16(acc);
   }
   float total = 0.0f;
-  for (int64_t d = 0; d < dim; ++d) total += q[d] * widen(k[d]);
+  for (int64_t d = 0; d < dim; ++d) total = std::fma(q[d], widen(k[d]), total);
   return total;
 }
 
@@ -85,12 +105,88 @@ template <class T>
 inline void add_scaled(float* acc, float w, const T* v, int64_t dim) {
   if (dim % 16 == 0) {
     for (int64_t d = 0; d < dim; d += 16) {
-      const Floats16 sum = load16(acc + d) + w * load16(v + d);
+      const Floats16 sum = fma16(Floats16{} + w, load16(v + d), load16(acc + d));
       std::memcpy(acc + d, &sum, sizeof(sum));
     }
     return;
   }
-  for (int64_t d = 0; d < dim; ++d) acc[d] += w * widen(v[d]);
+  for (int64_t d = 0; d < dim; ++d) acc[d] = std::fma(w, widen(v[d]), acc[d]);
+}
+
+// The 16 sums of 16 vectors, lane j the sum16 of v[j] with sum16's very additions (a_i = v_i + v_(i+8), then
+// b_i = a_i + a_(i+4), then (b_0 + b_2) + (b_1 + b_3)), done for all 16 at once by pairing lanes across vectors.
+inline Floats16 sum16_each(const Floats16 (&v)[16]) {
+  Floats16 x[8], y[4], z[2];
+  for (int p = 0; p < 8; ++p)  // x[p]: the a's of v[2p] (lanes 0-7) and v[2p+1] (lanes 8-15)
+    x[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int p = 0; p < 4; ++p)  // y[p]: the b's of v[4p .. 4p+3], four lanes each
+    y[p] = __builtin_shufflevector(x[2 * p], x[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(x[2 * p], x[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int p = 0; p < 2; ++p)  // z[p]: b_0 + b_2 and b_1 + b_3 of v[8p .. 8p+7], two lanes each
+    z[p] = __builtin_shufflevector(y[2 * p], y[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(y[2 * p], y[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+// out[i] = q · (key seen[i]) * scale for i < n, V = dim / 16 known at compile time: 16 keys at a time, their
+// 16-lane partial sums in registers, reduced together (sum16_each). Every score, the last few keys' too (the
+// batch padded with the last key), takes the same instructions, so a score's bits depend only on q and its key.
+template <int V, class T>
+void scores_fixed(const float* q, const T* keys, int64_t stride, const int64_t* seen, int64_t n, float scale,
+                  float* out) {
+  Floats16 qv[V];
+  for (int c = 0; c < V; ++c) qv[c] = load16(q + 16 * c);
+  for (int64_t i = 0; i < n; i += 16) {
+    const T* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = keys + seen[i + j < n ? i + j : n - 1] * stride;
+    Floats16 acc[16];
+    for (int j = 0; j < 16; ++j) acc[j] = qv[0] * load16(rows[j]);
+    for (int c = 1; c < V; ++c)
+      for (int j = 0; j < 16; ++j) acc[j] = fma16(qv[c], load16(rows[j] + 16 * c), acc[j]);
+    const Floats16 sums = sum16_each(acc) * scale;
+    std::memcpy(out + i, &sums, sizeof(float) * (n - i < 16 ? n - i : 16));
+  }
+}
+
+template <class T>
+void scores(const float* q, const T* keys, int64_t stride, const int64_t* seen, int64_t n, int64_t dim, float scale,
+            float* out) {
+  switch (dim) {
+    case 32: return scores_fixed<2>(q, keys, stride, seen, n, scale, out);
+    case 64: return scores_fixed<4>(q, keys, stride, seen, n, scale, out);
+    case 128: return scores_fixed<8>(q, keys, stride, seen, n, scale, out);
+    default:
+      for (int64_t i = 0; i < n; ++i) out[i] = dot(q, keys + seen[i] * stride, dim) * scale;
+  }
+}
+
+// acc = sum over i < n, in order, of w[i] * value seen[i]; V = dim / 16 accumulators kept in registers.
+template <int V, class T>
+void weighted_values_fixed(const float* w, const T* values, int64_t stride, const int64_t* seen, int64_t n,
+                           float* acc) {
+  Floats16 sum[V];
+  for (int c = 0; c < V; ++c) sum[c] = Floats16{};
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = values + seen[i] * stride;
+    const Floats16 weight = Floats16{} + w[i];
+    for (int c = 0; c < V; ++c) sum[c] = fma16(weight, load16(row + 16 * c), sum[c]);
+  }
+  std::memcpy(acc, sum, sizeof(sum));
+}
+
+template <class T>
+void weighted_values(const float* w, const T* values, int64_t stride, const int64_t* seen, int64_t n, int64_t dim,
+                     float* acc) {
+  switch (dim) {
+    case 32: return weighted_values_fixed<2>(w, values, stride, seen, n, acc);
+    case 64: return weighted_values_fixed<4>(w, values, stride, seen, n, acc);
+    case 128: return weighted_values_fixed<8>(w, values, stride, seen, n, acc);
+    default:
+      for (int64_t e = 0; e < dim; ++e) acc[e] = 0.0f;
+      for (int64_t i = 0; i < n; ++i) add_scaled(acc, w[i], values + seen[i] * stride, dim);
+  }
 }
 
 struct Shape {
@@ -153,10 +249,8 @@ void attend(const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides 
         for (int64_t d = 0; d < s.dim; ++d) query[r * s.dim + d] = widen(qrow[d]);
       }
       const T* kbase = k + b * ks.b + g * ks.h;
-      for (int64_t i = 0; i < n; ++i) {
-        const T* krow = kbase + seen[i] * ks.r;
-        for (int64_t r = 0; r < group; ++r) weight[r * s.keys + i] = dot(query.data() + r * s.dim, krow, s.dim) * scale;
-      }
+      for (int64_t r = 0; r < group; ++r)
+        scores(query.data() + r * s.dim, kbase, ks.r, seen.data(), n, s.dim, scale, weight.data() + r * s.keys);
       for (int64_t r = 0; r < group; ++r) {
         float* w = weight.data() + r * s.keys;
         float top = w[0];
@@ -168,12 +262,9 @@ void attend(const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides 
         const float inverse = 1.0f / total;
         for (int64_t i = 0; i < n; ++i) w[i] *= inverse;
       }
-      for (int64_t e = 0; e < group * s.dim; ++e) acc[e] = 0.0f;
       const T* vbase = v + b * vs.b + g * vs.h;
-      for (int64_t i = 0; i < n; ++i) {
-        const T* vrow = vbase + seen[i] * vs.r;
-        for (int64_t r = 0; r < group; ++r) add_scaled(acc.data() + r * s.dim, weight[r * s.keys + i], vrow, s.dim);
-      }
+      for (int64_t r = 0; r < group; ++r)
+        weighted_values(weight.data() + r * s.keys, vbase, vs.r, seen.data(), n, s.dim, acc.data() + r * s.dim);
       for (int64_t e = 0; e < group * s.dim; ++e) dst[e] = T(acc[e]);
     }
   });

@@ -1,0 +1,79 @@
+"""Variants of the column-packed float32 kernel (``packed_rows.cpp``) against each other, in one process.
+
+    python benchmarks/packed_variants.py OLD.cpp hf_tidar/cpu/packed_rows.cpp --rows 1 4 8 10 12 16 --rounds 12
+
+Timing two builds in two processes on a shared VM mixes the change with the machine's drift (10-30% between
+runs here). Each source given is built as its own operator library, so all of them load side by side; the
+products of four SmolLM2 layers (7 linears each, cold weights: a 96 MB buffer is touched before every layer)
+then run variant after variant within every round. Prints the median µs per layer by row count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+from hf_tidar.checkpoints import load_smollm2
+from hf_tidar.cpu.kernel import ISA_FLAGS, cpu_flags
+
+LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+           "mlp.up_proj", "mlp.down_proj")
+LAYERS = (3, 11, 19, 27)
+
+
+def build(source: Path, index: int, folder: Path):
+    """``source`` as the operator library ``packed_variant_<index>``."""
+    library = f"packed_variant_{index}"
+    flags = ["-O3", "-fopenmp", *ISA_FLAGS["avx512_bf16" if "avx512_bf16" in cpu_flags() else "avx512"][1],
+             f"-DHF_TIDAR_KERNEL_LIBRARY={library}"]
+    load(name=f"{library}_module", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         build_directory=str(folder), is_python_module=False, verbose=False)
+    return getattr(torch.ops, library)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sources", nargs="+", type=Path, help="packed_rows.cpp variants")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 10, 12, 16])
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model, _ = load_smollm2()
+    with tempfile.TemporaryDirectory() as folder:
+        ops = []
+        for index, source in enumerate(args.sources):
+            variant_folder = Path(folder) / str(index)
+            variant_folder.mkdir()
+            ops.append(build(source, index, variant_folder))
+        layers = [[model.model.layers[layer].get_submodule(name).weight.detach().contiguous() for name in LINEARS]
+                  for layer in LAYERS]
+        packed = [[[op.pack_columns(w) for w in layer] for layer in layers] for op in ops]
+        flush = torch.randn(96 << 18)
+        seconds = {(v, rows): [] for v in range(len(ops)) for rows in args.rows}
+        for _ in range(args.rounds):
+            for rows in args.rows:
+                for v, op in enumerate(ops):
+                    for layer, weights in zip(layers, packed[v], strict=True):
+                        inputs = [torch.randn(rows, w.shape[1]) for w in layer]
+                        flush.mul_(1.0001)
+                        start = time.perf_counter()
+                        for w, p, x in zip(layer, weights, inputs, strict=True):
+                            op.packed_row_linear(x, p, w.shape[0], None, None, None, rows)
+                        seconds[(v, rows)].append(time.perf_counter() - start)
+    print(f"{args.threads} threads, {args.rounds} rounds, median µs per layer (7 products), cold weights")
+    print("| source | " + " | ".join(f"{rows} rows" for rows in args.rows) + " |")
+    print("|---|" + "---|" * len(args.rows))
+    for v, source in enumerate(args.sources):
+        cells = " | ".join(f"{statistics.median(seconds[(v, rows)]) * 1e6:.0f}" for rows in args.rows)
+        print(f"| {v}: {source} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
