@@ -10,11 +10,13 @@ from hf_tidar.generation import auto_plan
 from hf_tidar.generation.drafters import (
     DEFAULT_LOOKUP_LENGTH,
     DiffusionDrafter,
+    Drafts,
     MatchOrderStats,
     NgramIndex,
     SourceChooser,
     runner_up,
 )
+from hf_tidar.generation.tidar_decoder import TidarDecoder
 from hf_tidar.prompt_encoding import left_pad
 
 
@@ -237,3 +239,27 @@ def test_context_matches_are_cut_to_what_their_order_earns_and_stay_exact(loopin
         monkeypatch.setattr(MatchOrderStats, "PRIOR", (0.1, 10.0))  # every order starts as a poor guess
         doubted = looping_model.generate(prompt, strategy="tidar", draft_source="prompt_lookup", **settings)
     assert torch.equal(doubted, ar) and lengths[0] == 1
+
+
+
+def test_only_blocks_with_drafts_count_toward_their_sources_acceptance(counting_model, monkeypatch):
+    # k = 3 with group 1 only: after both drafts are accepted the next block has no diffusion drafts left (the
+    # group's slots are used up), and its pass must not count as a diffusion pass that got nothing accepted.
+    observed = []
+    original = SourceChooser.observe
+    monkeypatch.setattr(SourceChooser, "observe", lambda self, source, accepted, predicted=None: observed.append(
+        accepted) or original(self, source, accepted, predicted))
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    settings = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ar = counting_model.generate(prompt, **settings)
+        tidar = counting_model.generate(prompt, strategy="tidar", draft_length=3, draft_groups=[1], **settings)
+    assert torch.equal(tidar, ar)
+    assert observed and sum(observed[1:]) == 2 * len(observed[1:])  # after the prefill's block: both drafts, always
+
+
+def test_a_block_cut_to_the_pass_keeps_its_sources_prediction():
+    drafts = Drafts([7, 1, 2, 3, 4], None, "datastore", predicted=2.0, order=3)
+    cut = TidarDecoder._fit(None, drafts, 3)
+    assert cut.tokens == [7, 1, 2] and cut.source == "datastore" and cut.order == 3
+    assert 0.0 < cut.predicted < 2.0  # the share of the prediction the two kept drafts carry

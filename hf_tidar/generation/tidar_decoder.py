@@ -392,7 +392,8 @@ class TidarDecoder:
             row.accepted.append(count)
             emitted.append(count)
             if not row.finished:  # a stop cuts a pass short: not a rejection
-                self.chooser.observe(drafts[index].source, count - 1, drafts[index].predicted)
+                if len(drafts[index].tokens) > 1:  # a block without drafts says nothing about its source
+                    self.chooser.observe(drafts[index].source, count - 1, drafts[index].predicted)
                 if drafts[index].source == "prompt_lookup":
                     self.orders.observe(drafts[index].order, count - 1, len(drafts[index].tokens) - 1)
                 if self.auto and layout.groups:
@@ -458,7 +459,7 @@ class TidarDecoder:
         lookup drafts may be longer than a diffusion pass verifies)."""
         if len(drafts.tokens) <= k:
             return drafts
-        return Drafts(drafts.tokens[:k], drafts.scores[:k] if drafts.scores is not None else None, drafts.source)
+        return truncated(drafts, k - 1)  # keeps the source's statistics (a datastore prediction, scaled)
 
     def _select(self, state: DecodeMaskBuffer, keep: list[int], current: list[int]) -> None:
         """Drop finished rows from the batch: they stop costing work."""
