@@ -59,11 +59,12 @@ def build_demo_model(ar_model, tokenizer, adapter: Path | None, block_size: int)
     return TidarForCausalLM.from_ar(ar_model, block_size=block_size, tokenizer=tokenizer).eval()
 
 
-DEMO_TIDAR_SETTINGS = dict(draft_length=2, draft_source="both")
-"""What the demo runs: every draft source in one pass (prompt lookup, the adapter's datastore and its diffusion
-slot, as sibling branches) with one pre-draft group of 2 masks: passes of 3 to
-:data:`~hf_tidar.generation.branch_decoder.MAX_PASS_ROWS` rows. On 22 held-out prompts it committed 1.68 tokens a
-pass, against 1.51 for one source per pass (BENCHMARKS.md has what a pass costs on the project's CPUs)."""
+DEMO_TIDAR_SETTINGS = dict(draft_length=2, draft_groups=[1], draft_source="best")
+"""What the demo runs: k = 2 with one pre-draft group, and per pass the draft source expected to commit the most
+(the context's prompt-lookup match, the adapter's datastore or its diffusion slot). Verifying every source at once
+(``draft_source="both"``) commits more tokens a pass (1.70 against 1.52 on 22 held-out prompts) but with float32
+weights packed for the CPU kernel its passes cost more than that buys: one source per pass was ahead in four of
+five runs of that comparison, by 3% at the median (BENCHMARKS.md)."""
 
 
 def run_demo(

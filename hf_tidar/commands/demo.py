@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--block-size", type=int, default=4, help="block size when no adapter is used")
     add("--draft-length", type=int, default=None,
-        help="drafts per pass k, every pre-draft group (default: 2 drafts, group 1 only)")
+        help="drafts per pass k, with one pre-draft group and the best source per pass (default: 2)")
     add("--draft-layout", choices=("auto",), default=None, help="let the auto layout pick k and groups")
     add("--stock-linears", action="store_true",
         help="run TiDAR on torch's stock linears instead of the measured CPU path")
@@ -57,5 +57,5 @@ def _demo_tidar_settings(args: argparse.Namespace) -> dict | None:
     if args.draft_layout:
         return {"draft_layout": args.draft_layout, "draft_source": "best"}
     if args.draft_length:
-        return {"draft_length": args.draft_length, "draft_source": "both"}
+        return {"draft_length": args.draft_length, "draft_groups": [1], "draft_source": "best"}
     return None  # the demo's own default
