@@ -31,7 +31,7 @@ def _inputs(dtype, batch=2, heads=9, kv_heads=3, queries=5, keys=20, dim=64, see
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dim", [64, 24])  # the 16-lane path and the scalar one
+@pytest.mark.parametrize("dim", [32, 64, 128, 24])  # the 16-keys-at-a-time builds and the scalar path
 def test_values_are_sdpas(dtype, dim):
     q, k, v = _inputs(dtype, dim=dim)
     mask = torch.rand(2, 1, 5, 20, generator=torch.Generator().manual_seed(1)) > 0.4
@@ -60,7 +60,7 @@ def test_a_row_that_sees_nothing_is_zero_and_bad_inputs_are_refused():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("dim", [64, 24])
+@pytest.mark.parametrize("dim", [64, 128, 24])
 def test_a_rows_bits_depend_only_on_the_keys_it_sees(dtype, dim):
     # A TiDAR pass: row i is draft d_i over the cache and d_0..d_i; later drafts' keys and mask groups'
     # rows are in the call too. The same token in an AR step: one row over exactly those keys.
