@@ -20,7 +20,7 @@ import torch
 from torch.utils.cpp_extension import load
 
 from hf_tidar.checkpoints import load_smollm2
-from hf_tidar.cpu.kernel import ISA_FLAGS, cpu_flags
+from hf_tidar.cpu.kernel import BASE_CFLAGS, ISA_FLAGS, kernel_isa
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
            "mlp.up_proj", "mlp.down_proj")
@@ -30,8 +30,7 @@ LAYERS = (3, 11, 19, 27)
 def build(source: Path, index: int, folder: Path):
     """``source`` as the operator library ``packed_variant_<index>``."""
     library = f"packed_variant_{index}"
-    flags = ["-O3", "-fopenmp", *ISA_FLAGS["avx512_bf16" if "avx512_bf16" in cpu_flags() else "avx512"][1],
-             f"-DHF_TIDAR_KERNEL_LIBRARY={library}"]
+    flags = [*BASE_CFLAGS, *ISA_FLAGS[kernel_isa()][1], f"-DHF_TIDAR_KERNEL_LIBRARY={library}"]
     load(name=f"{library}_module", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
          build_directory=str(folder), is_python_module=False, verbose=False)
     return getattr(torch.ops, library)

@@ -25,7 +25,7 @@ from ..assets import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("few_rows.cpp", "packed_rows.cpp", "row_attention.cpp"))
-"""The operator library's sources: the few-row matmul and the row-invariant attention."""
+"""The operator library's sources: the few-row matmul, its column-packed variant and the row-invariant attention."""
 
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     # name: (the CPU flags it needs, as /proc/cpuinfo spells them; the compiler flags that build it)

@@ -457,9 +457,7 @@ class TidarDecoder:
     def _fit(self, drafts: Drafts, k: int) -> Drafts:
         """Trim a draft block to the pass's draft length ``k`` (it changes under ``draft_layout="auto"``, and
         lookup drafts may be longer than a diffusion pass verifies)."""
-        if len(drafts.tokens) <= k:
-            return drafts
-        return truncated(drafts, k - 1)  # keeps the source's statistics (a datastore prediction, scaled)
+        return truncated(drafts, k - 1)  # unchanged when short enough; keeps the source's statistics
 
     def _select(self, state: DecodeMaskBuffer, keep: list[int], current: list[int]) -> None:
         """Drop finished rows from the batch: they stop costing work."""
