@@ -1,10 +1,12 @@
 """A TiDAR pass and an AR step with the shipped adapter, on column-packed weights and on the dot-product kernel.
 
     python benchmarks/packed_pass_cost.py --repeats 40 [--threads 2]
+    python benchmarks/packed_pass_cost.py --variants packed packed-bf16   # float32 drafts vs bfloat16 drafts
 
 SmolLM2-135M-Instruct in float32 on the measured CPU path (``hf_tidar.cpu.enable``), the shipped adapter in its
 lean form, twice: with ``packed=True`` (the default: float32 weights packed by columns, ``packed_rows.cpp``) and
-``packed=False`` (the dot-product kernel of ``few_rows.cpp``). For each layout, a pass (the query's hidden states
+``packed=False`` (the dot-product kernel of ``few_rows.cpp``); ``--variants`` picks among those two and their
+``-bf16`` forms (``draft_dtype=torch.bfloat16``: the ``[MASK]`` rows of a pass multiplied in bfloat16). For each layout, a pass (the query's hidden states
 and the LM head over its projected rows) and a one-token AR step on a 120-token cache (cropped back after every
 call), the calls alternating between the two models; medians, one line per layout.
 """
@@ -29,8 +31,13 @@ from hf_tidar.cpu.kernel import cpu_flags
 from hf_tidar.generation.draft_plan import DraftPlan
 from hf_tidar.training.gated_lora import load_tidar_adapter
 
-LAYOUTS = ((2, (1,)), (2, (1, 2)), (3, (1,)), (3, (1, 2, 3)))
-"""(k, pre-draft groups): k = 2 and 3 with the first group, and with every group."""
+LAYOUTS = ((2, (1,)), (2, (1, 2)), (3, (1,)), (3, (1, 2, 3)), (4, (1,)), (4, (1, 2, 3, 4)))
+"""(k, pre-draft groups): k = 2, 3 and 4 with the first group, and with every group."""
+
+VARIANTS = {"packed": dict(packed=True), "unpacked": dict(packed=False),
+            "packed-bf16": dict(packed=True, draft_dtype=torch.bfloat16),
+            "unpacked-bf16": dict(packed=False, draft_dtype=torch.bfloat16)}
+"""``hf_tidar.cpu.enable`` arguments of each variant ``--variants`` can compare."""
 
 
 @torch.inference_mode()
@@ -38,15 +45,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=["packed", "unpacked"], choices=sorted(VARIANTS))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ar, tokenizer = load_smollm2(quiet=True)
     models = {}
-    for name, packed in (("packed", True), ("unpacked", False)):
+    for name in args.variants:
         models[name] = load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True)
-        cpu.enable(models[name], packed=packed)
+        cpu.enable(models[name], **VARIANTS[name])
     prefix = torch.randint(100, 20000, (1, PREFIX), generator=torch.Generator().manual_seed(0))
-    mask_id = models["packed"].require_mask_token_id()
+    mask_id = next(iter(models.values())).require_mask_token_id()
     caches = {name: DynamicCache(config=model.config) for name, model in models.items()}
     for name, model in models.items():
         model(input_ids=prefix, cache=caches[name], use_cache=True, logits_to_keep=1)

@@ -60,26 +60,29 @@ def test_tail_rows_are_bfloat16_products_and_clean_rows_keep_their_bits(in_featu
     assert not torch.equal(drafts(x, weight, None, None, None, 0), plain(x, weight, None, None, None, 0))
 
 
-def _count_draft_calls(monkeypatch) -> list[int]:
-    """Spy on the draft operator installed by cpu.enable: the tail start of every call."""
+def _count_draft_calls(monkeypatch, packed: bool) -> list[int]:
+    """Spy on the draft operator cpu.enable installs (on packed weights or not): the tail start of every call."""
     starts = []
-    real = few_row_bf16_tail_kernel()
+    name = "packed_bf16_tail_kernel" if packed else "few_row_bf16_tail_kernel"
+    real = getattr(measured, name)()
 
-    def spy(x, weight, bias, lora_a, lora_b, tail_start):
-        starts.append(tail_start)
-        return real(x, weight, bias, lora_a, lora_b, tail_start)
+    def spy(*args):
+        starts.append(args[-1])
+        return real(*args)
 
-    monkeypatch.setattr(measured, "few_row_bf16_tail_kernel", lambda: spy)
+    monkeypatch.setattr(measured, name, lambda: spy)
     return starts
 
 
 @needs_bf16_kernel
+@pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("draft_length,groups", [(4, None), (3, None), (3, [1]), (2, [1])])
-def test_greedy_tidar_with_bfloat16_drafts_is_ar_token_for_token(draft_length, groups, monkeypatch):
+def test_greedy_tidar_with_bfloat16_drafts_is_ar_token_for_token(draft_length, groups, packed, monkeypatch):
     model = train_counting_tidar(block_size=4, steps=150).float()  # drafts largely right: many are accepted
-    starts = _count_draft_calls(monkeypatch)
-    cpu.enable(model, draft_dtype=torch.bfloat16)
+    starts = _count_draft_calls(monkeypatch, packed)
+    cpu.enable(model, draft_dtype=torch.bfloat16, packed=packed)
     assert cpu.linear.draft_dtype_of(model) == torch.bfloat16 and not is_lean(model)
+    assert measured.is_packed(model) == packed
     prompts = torch.tensor([[3, 4, 5, 6, 7], [20, 21, 22, 23, 24]])
     settings = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.no_grad():
@@ -90,21 +93,24 @@ def test_greedy_tidar_with_bfloat16_drafts_is_ar_token_for_token(draft_length, g
             assert torch.equal(out.sequences, ar)
             assert out.sequences.shape[1] - rows.shape[1] > out.forward_passes[0] + 1  # drafts were accepted
     mask_rows = draft_length * (len(groups) if groups else draft_length)
-    if mask_rows >= measured.BF16_DRAFT_MIN_ROWS:  # the drafts did go through bfloat16
+    if mask_rows >= measured.bf16_draft_min_rows(model):  # the drafts did go through bfloat16
         assert starts and all(0 <= start <= draft_length for start in starts)
-    else:  # fewer [MASK] rows than BF16_DRAFT_MIN_ROWS: float32 is faster there
+    else:  # fewer [MASK] rows than the threshold: float32 is faster there
         assert not starts
 
 
 @needs_bf16_kernel
-def test_a_plain_forward_finds_its_tail_and_a_mask_before_it_keeps_float32():
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_plain_forward_finds_its_tail_and_a_mask_before_it_keeps_float32(packed):
     model = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=32).float(), block_size=4).eval()
     twin = copy.deepcopy(model)
-    cpu.enable(twin, packed=False)  # bfloat16 drafts keep the unpacked kernel, whose bits the clean rows must have
-    cpu.enable(model, draft_dtype=torch.bfloat16)
+    cpu.enable(twin, packed=packed)  # float32 drafts on the same product: the bits clean rows must keep
+    cpu.enable(model, draft_dtype=torch.bfloat16, packed=packed)
+    least = measured.bf16_draft_min_rows(model)
+    assert least == (measured.PACKED_BF16_DRAFT_MIN_ROWS if packed else measured.BF16_DRAFT_MIN_ROWS)
     mask = model.config.mask_token_id
     with torch.no_grad():
-        tail = torch.tensor([[1, 2, 3, 4] + [mask] * measured.BF16_DRAFT_MIN_ROWS])
+        tail = torch.tensor([[1, 2, 3, 4] + [mask] * least])
         got, want = model(tail).logits, twin(tail).logits
         assert torch.equal(got[:, :4], want[:, :4]) and not torch.equal(got[:, 4:], want[:, 4:])
         short = tail[:, :-1]  # one [MASK] row fewer than bfloat16 takes: every row float32
@@ -112,7 +118,7 @@ def test_a_plain_forward_finds_its_tail_and_a_mask_before_it_keeps_float32():
         inside = torch.tensor([[1, 2, mask, 3, 4] + [mask] * 9])  # not a tail: no row is a draft row
         assert torch.equal(model(inside).logits, twin(inside).logits)
         # The LM head's rows are not the query's: clean rows picked after the masks stay float32.
-        picked = torch.tensor([*range(4, 4 + measured.BF16_DRAFT_MIN_ROWS), 0, 1, 2, 3])
+        picked = torch.tensor([*range(4, 4 + least), 0, 1, 2, 3])
         assert torch.equal(model(tail, logits_to_keep=picked).logits[:, -4:], want[:, :4])
 
 

@@ -126,18 +126,23 @@ def test_factors_with_float16_values_reach_the_kernel_in_float16_and_change_no_b
     assert not any("kernel_factors" in m.__dict__ for m in exported.modules())
 
 
-def test_bfloat16_drafts_take_bfloat16_factors_and_leave_clean_rows_alone(tmp_path, monkeypatch):
-    from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel
+@pytest.mark.parametrize("packed", [False, True])
+def test_bfloat16_drafts_take_their_factors_and_leave_clean_rows_alone(packed, tmp_path, monkeypatch):
+    from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel, packed_bf16_tail_kernel
 
-    if few_row_bf16_tail_kernel() is None:
+    if few_row_bf16_tail_kernel() is None or (packed and packed_bf16_tail_kernel() is None):
         pytest.skip("bfloat16 drafts need the kernel's AVX-512 BF16 build")
     peft, lean, base = _gated_pair(torch.float32)
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_linear, "COLD_BYTES", 1 << 16)
-    cpu.enable(base, packed=False)  # bfloat16 drafts keep the unpacked kernel, whose bits the clean rows must have
-    cpu.enable(lean, draft_dtype=torch.bfloat16)
+    cpu.enable(base, packed=packed)  # float32 drafts on the same product: the bits clean rows must keep
+    cpu.enable(lean, draft_dtype=torch.bfloat16, packed=packed)
     q_proj = lean.model.layers[0].self_attn.q_proj
-    assert q_proj.lora_a16.dtype == torch.bfloat16 and torch.equal(q_proj.lora_a16, q_proj.lora_a.bfloat16())
+    lora_a = q_proj.draft_factors[0]
+    if packed:  # the packed operator takes the clean product's factors (float32, or exact float16 ones)
+        assert torch.equal(lora_a.float(), q_proj.lora_a)
+    else:  # the unpacked one takes bfloat16 factors
+        assert lora_a.dtype == torch.bfloat16 and torch.equal(lora_a, q_proj.lora_a.bfloat16())
     ids = counting_batch(1, 10, VOCAB, torch.Generator().manual_seed(1))
     x = _doubled(ids, lean.config.mask_token_id)
     layout = tidar_training_layout(torch.ones_like(ids), BLOCK)

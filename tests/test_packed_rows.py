@@ -10,7 +10,7 @@ from toy import tiny_ar_model, train_counting_tidar
 
 from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.cpu import linear as measured
-from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel, packed_row_kernel
+from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel, packed_bf16_tail_kernel, packed_row_kernel
 from hf_tidar.cpu.packed import ColumnPackedProduct
 from hf_tidar.generation.cost_profile import profile_key
 
@@ -77,6 +77,42 @@ def test_float16_lora_b_gives_the_bits_of_its_float32_values():
     assert torch.equal(half, multiply(x, pack(weight), 40, None, pack(lora_a), pack(lora_b.float()), 2))
 
 
+def _bf16_reference(x, weight, bias, lora_a, lora_b):
+    """Draft rows: x and weight rounded to bfloat16 (an odd K's last term not), float64 sums, the LoRA update
+    from float32 values."""
+    xb, wb = x.bfloat16().double(), weight.bfloat16().double()
+    if x.shape[1] % 2:
+        xb[:, -1], wb[:, -1] = x[:, -1].double(), weight[:, -1].double()
+    out = xb @ wb.T + bias.double()
+    if lora_a is not None:
+        out += (x.double() @ lora_a.double().T) @ lora_b.double().T
+    return out
+
+
+@pytest.mark.skipif(packed_bf16_tail_kernel() is None, reason="bfloat16 draft rows need the AVX-512 BF16 build")
+@pytest.mark.parametrize("out_features,in_features", [(48, 32), (37, 19), (200, 72)])
+@pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (9, 1), (16, 4), (8, 6), (24, 3), (5, 5), (3, 1)])
+@pytest.mark.parametrize("rank", [0, 8])
+def test_bfloat16_draft_rows_on_packed_weights_keep_the_clean_rows_bits(out_features, in_features, rows, tail, rank):
+    pack, multiply = packed_row_kernel()
+    drafts = packed_bf16_tail_kernel()
+    generator = torch.Generator().manual_seed(rows * 100 + tail)
+    weight, bias = torch.randn(out_features, in_features, generator=generator), torch.randn(out_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    factors = (None, None)
+    if rank:
+        factors = (torch.randn(rank, in_features, generator=generator), torch.randn(out_features, rank, generator=generator))
+    packed = (pack(weight), *(None if f is None else pack(f) for f in factors))
+    want = multiply(x, packed[0], out_features, bias, packed[1], packed[2], tail)
+    got = drafts(x, packed[0], out_features, bias, packed[1], packed[2], tail)
+    # Clean rows: the float32 product's bits (a mixed tile for up to 4 clean rows, separate tiles past that).
+    assert torch.equal(got[:tail], want[:tail])
+    if tail < rows:
+        reference = _bf16_reference(x[tail:], weight, bias, *factors)
+        torch.testing.assert_close(got[tail:].double(), reference, rtol=1e-5, atol=1e-4)
+        assert not torch.equal(got[tail:], want[tail:])  # they did go through bfloat16
+
+
 @needs_packed
 def test_the_product_follows_weight_changes_and_refuses_bad_layouts():
     pack, multiply = packed_row_kernel()
@@ -94,7 +130,7 @@ def test_the_product_follows_weight_changes_and_refuses_bad_layouts():
 
 
 @needs_packed
-def test_enable_packs_float32_linears_unless_told_not_to_or_drafts_are_bfloat16(monkeypatch):
+def test_enable_packs_float32_linears_unless_told_not_to(monkeypatch):
     model = tiny_ar_model(vocab_size=40).float()
     monkeypatch.setenv("HF_TIDAR_CPU_PACKED", "0")
     assert not measured.is_packed(cpu.enable(model))
@@ -107,10 +143,10 @@ def test_enable_packs_float32_linears_unless_told_not_to_or_drafts_are_bfloat16(
     assert profile_key(model) != packed_key  # the cost curve that prices `auto` layouts is measured for each
     if few_row_bf16_tail_kernel() is not None:
         tidar = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=32).float(), block_size=4)
-        cpu.enable(tidar, draft_dtype=torch.bfloat16)
+        cpu.enable(tidar, draft_dtype=torch.bfloat16)  # bfloat16 drafts: the packed product's own draft operator
         linears = [m for m in tidar.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all(m.draft_op is not None for m in linears)
-        assert not any(isinstance(m.few_row_op, ColumnPackedProduct) for m in linears)
+        assert linears and all(isinstance(m.few_row_op, ColumnPackedProduct) for m in linears)
+        assert all(m.draft_op.func.__self__ is m.few_row_op for m in linears)  # one packed copy serves both
 
 
 @needs_packed

@@ -179,6 +179,20 @@ def packed_row_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torc
     return None if library is None else (library.pack_columns, library.packed_row_linear)
 
 
+def packed_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
+    """:func:`packed_row_kernel`'s multiply with the tail rows (TiDAR's ``[MASK]`` rows, drafts only) in bfloat16;
+    ``None`` unless the AVX-512 BF16 build runs here.
+
+    Signature as that multiply's. Rows before ``tail_start`` have its bits; rows from it on are products of
+    bfloat16-rounded inputs and weights summed in float32, plus their LoRA update in float32.
+    """
+    isa = kernel_isa()
+    if _unavailable_reason(isa) is not None or isa != "avx512_bf16":
+        return None
+    library = built_library(isa)
+    return None if library is None else library.packed_row_linear_bf16_tail
+
+
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
     """The row-invariant attention operator (``row_attention.cpp``) for ``dtype`` (float32 or bfloat16, on
     every build), built on first use; ``None`` where the library cannot run here.

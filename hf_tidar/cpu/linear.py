@@ -41,6 +41,7 @@ from .kernel import (
     few_row_bf16_tail_kernel,
     few_row_kernel,
     kernel_takes_half_factors,
+    packed_bf16_tail_kernel,
     packed_row_kernel,
 )
 from .packed import ColumnPackedProduct, PackedCopy
@@ -235,10 +236,10 @@ def _plan_covers(state: dict, weight: torch.Tensor, x: torch.Tensor, rows: int) 
 
 def _bf16_tail_start(state: dict, rows: int) -> int | None:
     """Where a one-sequence product of ``rows`` rows starts its bfloat16 ``[MASK]`` tail (:func:`enable`'s
-    ``draft_dtype``, a tail of at least :data:`BF16_DRAFT_MIN_ROWS` rows in this forward); else ``None``."""
+    ``draft_dtype``, a tail of at least :func:`bf16_draft_min_rows` rows in this forward); else ``None``."""
     tail = state.get("draft_tail")
     start = None if tail is None else tail.start
-    return start if start is not None and rows - start >= BF16_DRAFT_MIN_ROWS else None
+    return start if start is not None and rows - start >= state["draft_min_rows"] else None
 
 
 def _flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -295,8 +296,8 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     if kernel is None or not _plan_covers(state, weight, x, rows):
         return None
     flat = _flat_rows(x, rows)
-    if _bf16_tail_start(state, rows) == tail_start:  # the [MASK] tail in bfloat16, with bfloat16 factors
-        out = module.draft_op(flat, weight, bias, module.lora_a16, module.lora_b16, tail_start)
+    if _bf16_tail_start(state, rows) == tail_start:  # the [MASK] tail in bfloat16, with the draft operator's factors
+        out = module.draft_op(flat, weight, bias, *module.draft_factors, tail_start)
     else:
         lora_a, lora_b = state.get("kernel_factors") or (module.lora_a, module.lora_b)
         out = kernel(flat, weight, bias, lora_a, lora_b, tail_start)
@@ -310,6 +311,20 @@ a pass against an AR step, 2-core Zen 4 EPYC, the threshold switched between alt
 with one group (3 rows) 1.18-1.20x at 8 -> 1.12-1.15x at 3, k = 4 with one group 1.28x -> 1.15x, k = 3 with every
 group (9 rows) 1.33-1.34x -> 1.30-1.31x; 2 rows (k = 2, one group) gained nothing at 2. On the family-26 EPYC,
 with the earlier kernel, 3 rows gained a little (1.22x -> 1.19x) and 2 and 4 rows lost."""
+
+
+PACKED_BF16_DRAFT_MIN_ROWS = 8
+"""The same threshold on column-packed weights, where clean and draft rows share one sweep and only the draft rows'
+arithmetic gets cheaper (two instructions a step round and interleave the weights). SmolLM2's linears and LM head,
+cold, float32 against bfloat16 tails (benchmarks/packed_bf16_tail_cost.py, two runs, 2-core Zen 4 EPYC): 3 + 3 rows
+1.01-1.05x, 4 + 4 0.99-1.01x, 3 + 6 0.93-0.98x, 3 + 9 0.94x, 4 + 16 0.83-0.85x; whole passes with the shipped adapter, the threshold at 3
+(benchmarks/packed_pass_cost.py --variants packed packed-bf16): 2 + 4, 3 + 3 and 4 + 4 rows 1-5% dearer in
+bfloat16; at 8, 3 + 9 rows 1.79x -> 1.71x and 1.47x -> 1.44x an AR step, 4 + 16 2.32x -> 2.05x and 1.81x -> 1.65x."""
+
+
+def bf16_draft_min_rows(model: nn.Module) -> int | None:
+    """Fewest ``[MASK]`` rows a product of ``model`` takes in bfloat16 (``None`` without bfloat16 drafts)."""
+    return next((m.__dict__["draft_min_rows"] for m in model.modules() if m.__dict__.get("draft_op") is not None), None)
 
 
 def _packed_weight(module: nn.Linear) -> torch.Tensor:
@@ -352,7 +367,8 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
 
     ``draft_dtype=torch.bfloat16`` (a float32 TiDAR model, a CPU with AVX-512 BF16): the rows of a pass's
     ``[MASK]`` tail — drafts, which verification never trusts — are multiplied in bfloat16 where the tail has
-    at least :data:`BF16_DRAFT_MIN_ROWS` rows, clean rows as before, bit for bit. Output stays exact; drafts
+    at least :data:`BF16_DRAFT_MIN_ROWS` rows (:data:`PACKED_BF16_DRAFT_MIN_ROWS` on packed weights), clean rows
+    as before, bit for bit. Output stays exact; drafts
     may differ from float32 ones by rounding. Where it cannot run (another CPU or dtype) a warning says so
     and drafts stay in the weights' dtype.
 
@@ -360,8 +376,8 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     (:mod:`hf_tidar.cpu.packed`), which makes one-row steps and many-row passes cheaper; the copy takes the weights'
     memory once more. By default (``None``) they are packed unless the environment sets ``HF_TIDAR_CPU_PACKED=0``
     or the copies would take more than :data:`PACKED_MEMORY_SHARE` of the memory available (then a warning says
-    so); ``True`` packs regardless, ``False`` never. Not with bfloat16 drafts, whose clean rows must have the
-    unpacked kernel's bits.
+    so); ``True`` packs regardless, ``False`` never. With bfloat16 drafts, the packed product's own bfloat16-tail
+    variant multiplies the draft rows (clean rows keep the packed product's bits).
     """
     plans: dict[tuple, list[Choice]] = {}
     dtypes = set()
@@ -411,15 +427,18 @@ def available_memory() -> int | None:
 
 
 def _pack_columns(model: nn.Module, check_memory: bool) -> None:
-    """Give ``model``'s float32 kernel linears the column-packed product, where it builds; not linears with
-    bfloat16 draft rows (that operator's clean rows have the unpacked kernel's bits, which an AR step must match).
+    """Give ``model``'s float32 kernel linears the column-packed product, where it builds; linears with bfloat16
+    draft rows get its bfloat16-tail variant on the same packed copy (where that builds; else they stay unpacked,
+    since the unpacked draft operator's clean rows have the unpacked kernel's bits, which an AR step must match).
     With ``check_memory``, not where the copies would take more than :data:`PACKED_MEMORY_SHARE` of the memory
     available (a warning says so)."""
     kernel = packed_row_kernel()
     if kernel is None:
         return
+    bf16_tail = packed_bf16_tail_kernel()
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.__dict__.get("plan_dtype") == torch.float32
-               and m.__dict__.get("few_row_op") is not None and m.__dict__.get("draft_op") is None]
+               and m.__dict__.get("few_row_op") is not None
+               and (m.__dict__.get("draft_op") is None or bf16_tail is not None)]
     copies = sum(m.weight.numel() * m.weight.element_size() for m in linears)  # a tied weight is packed per linear
     available = available_memory() if check_memory else None
     if available is not None and copies > PACKED_MEMORY_SHARE * available:
@@ -429,7 +448,18 @@ def _pack_columns(model: nn.Module, check_memory: bool) -> None:
                       stacklevel=3)
         return
     for module in linears:
-        module.few_row_op = ColumnPackedProduct(*kernel)
+        product = module.few_row_op = ColumnPackedProduct(*kernel)
+        if module.__dict__.get("draft_op") is not None:
+            module.draft_op = product.with_tail_op(bf16_tail)
+            module.draft_min_rows = PACKED_BF16_DRAFT_MIN_ROWS
+            # The packed operator takes the factors the clean product takes (float32, or exact float16 ones).
+            module.draft_factors = module.__dict__.get("kernel_factors") or _factors(module)
+
+
+def _factors(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A lean adapter linear's LoRA factors ``(lora_a, lora_b)``; ``(None, None)`` for a plain linear."""
+    a = getattr(module, "lora_a", None)
+    return (a, module.lora_b) if isinstance(a, torch.Tensor) else (None, None)
 
 
 def _give_half_factors(module: nn.Module) -> None:
@@ -468,9 +498,9 @@ def _draft_in(model: nn.Module, draft_dtype: torch.dtype | str) -> None:
     for module in linears:
         module.draft_op = op
         module.draft_tail = tail
-        if isinstance(getattr(module, "lora_a", None), torch.Tensor):  # the lean adapter's factors
-            module.lora_a16 = module.lora_a.to(torch.bfloat16)
-            module.lora_b16 = module.lora_b.to(torch.bfloat16)
+        module.draft_min_rows = BF16_DRAFT_MIN_ROWS
+        a, b = _factors(module)  # the unpacked draft operator takes bfloat16 factors
+        module.draft_factors = (None, None) if a is None else (a.to(torch.bfloat16), b.to(torch.bfloat16))
 
 
 def is_packed(model: nn.Module) -> bool:
@@ -504,7 +534,7 @@ def disable(model: nn.Module) -> nn.Module:
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear
         for name in ("choices", "few_row_op", "plan_dtype", "_packed", "draft_op", "draft_tail",
-                     "lora_a16", "lora_b16", "kernel_factors"):
+                     "draft_factors", "draft_min_rows", "kernel_factors"):
             module.__dict__.pop(name, None)
     before = model.__dict__.pop("_hf_tidar_attention_before", None)
     if before is not None:

@@ -11,6 +11,7 @@ is on (``enable(model, packed=False)`` keeps the unpacked kernel and no copy).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -57,7 +58,18 @@ class ColumnPackedProduct:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor | None,
                  lora_b: torch.Tensor | None, tail_start: int) -> torch.Tensor:
+        return self.run(self._multiply, x, weight, bias, lora_a, lora_b, tail_start)
+
+    def run(self, multiply: Callable[..., torch.Tensor], x: torch.Tensor, weight: torch.Tensor,
+            bias: torch.Tensor | None, lora_a: torch.Tensor | None, lora_b: torch.Tensor | None,
+            tail_start: int) -> torch.Tensor:
+        """``multiply`` (this product's operator, or another on the same packed layout) on the packed copies."""
         packed_a = packed_b = None
         if lora_a is not None and tail_start < x.shape[0]:
             packed_a, packed_b = self._lora_a.of(lora_a), self._lora_b.of(lora_b)
-        return self._multiply(x, self._weight.of(weight), weight.shape[0], bias, packed_a, packed_b, tail_start)
+        return multiply(x, self._weight.of(weight), weight.shape[0], bias, packed_a, packed_b, tail_start)
+
+    def with_tail_op(self, multiply: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        """The same call with ``multiply`` (e.g. bfloat16 draft rows) on this product's packed copies: one copy of
+        the weights serves both."""
+        return functools.partial(self.run, multiply)

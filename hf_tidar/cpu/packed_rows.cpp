@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #ifndef HF_TIDAR_KERNEL_LIBRARY
@@ -81,27 +82,12 @@ inline __m512 load_lanes(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// One tile: MR rows of x (stride ldx) against NV packed column blocks (each K x 16, `block` floats apart);
-// rows from `first` on also get z (their codes, stride R) against NV packed lora_b blocks (R x 16 each).
-// Writes `valid` outputs of each row (fewer than NV * 16 at the end of N), plus the bias.
+// Each tail row's LoRA update (rows from `first` on: their codes z, stride R, against NV packed lora_b blocks, R x 16
+// each) added to its accumulators after the K terms of the product; then the bias, and `valid` outputs of each row
+// stored (fewer than NV * 16 at the end of N).
 template <int MR, int NV, class B>
-inline void packed_tile(const float* x, int64_t ldx, int64_t K, const float* w, int64_t block, const float* z,
-                        int64_t R, const B* b, int first, const float* bias, float* y, int64_t ldy,
-                        int64_t valid) {
-  __m512 acc[MR][NV];
-  for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NV];
-    for (int v = 0; v < NV; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + v * block + (k + kPrefetchSteps) * kLanes), _MM_HINT_T1);
-      wv[v] = _mm512_loadu_ps(w + v * block + k * kLanes);
-    }
-    for (int i = 0; i < MR; ++i) {  // constant trip counts keep every accumulator in a register
-      const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, wv[v], acc[i][v]);
-    }
-  }
+inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const B* b, int first, const float* bias,
+                        float* y, int64_t ldy, int64_t valid) {
   if (z) {
     for (int64_t r = 0; r < R; ++r) {
       __m512 bv[NV];
@@ -121,6 +107,29 @@ inline void packed_tile(const float* x, int64_t ldx, int64_t K, const float* w, 
     for (int i = 0; i < MR; ++i)
       _mm512_mask_storeu_ps(y + i * ldy + v * kLanes, keep, bias ? _mm512_add_ps(acc[i][v], bias_v) : acc[i][v]);
   }
+}
+
+// One tile: MR rows of x (stride ldx) against NV packed column blocks (each K x 16, `block` floats apart);
+// rows from `first` on also get z (their codes, stride R) against NV packed lora_b blocks (R x 16 each).
+template <int MR, int NV, class B>
+inline void packed_tile(const float* x, int64_t ldx, int64_t K, const float* w, int64_t block, const float* z,
+                        int64_t R, const B* b, int first, const float* bias, float* y, int64_t ldy,
+                        int64_t valid) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 wv[NV];
+    for (int v = 0; v < NV; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + v * block + (k + kPrefetchSteps) * kLanes), _MM_HINT_T1);
+      wv[v] = _mm512_loadu_ps(w + v * block + k * kLanes);
+    }
+    for (int i = 0; i < MR; ++i) {  // constant trip counts keep every accumulator in a register
+      const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, wv[v], acc[i][v]);
+    }
+  }
+  finish_tile<MR, NV>(acc, z, R, b, first, bias, y, ldy, valid);
 }
 
 // Column blocks per tile for a row tile of MR rows: as many as the 32 vector registers hold (MR x NV
@@ -166,28 +175,35 @@ void row_tile(const Product<B>& p, int64_t m, int64_t first_block, int64_t last_
   }
 }
 
-// All rows of `p` against column blocks [b0, b1): row tiles of near-equal height, at most kMaxTileRows.
-template <class B>
-void rows_times_blocks(const Product<B>& p, int64_t b0, int64_t b1) {
-  const int64_t tiles = (p.M + kMaxTileRows - 1) / kMaxTileRows;
-  for (int64_t t = 0, m = 0; t < tiles; ++t) {
-    const int64_t height = p.M / tiles + (t < p.M % tiles ? 1 : 0);
+// Calls f(m, std::integral_constant<int, height>) for row tiles [m, m + height) of near-equal height, at most
+// kMaxTileRows, covering rows [from, to): a tile's height must be a constant for its accumulators to stay in registers.
+template <class F>
+void near_equal_tiles(int64_t from, int64_t to, F&& f) {
+  const int64_t rows = to - from, tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
+  for (int64_t t = 0, m = from; t < tiles; ++t) {
+    const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
     switch (height) {
-      case 12: row_tile<12>(p, m, b0, b1); break;
-      case 11: row_tile<11>(p, m, b0, b1); break;
-      case 10: row_tile<10>(p, m, b0, b1); break;
-      case 9: row_tile<9>(p, m, b0, b1); break;
-      case 8: row_tile<8>(p, m, b0, b1); break;
-      case 7: row_tile<7>(p, m, b0, b1); break;
-      case 6: row_tile<6>(p, m, b0, b1); break;
-      case 5: row_tile<5>(p, m, b0, b1); break;
-      case 4: row_tile<4>(p, m, b0, b1); break;
-      case 3: row_tile<3>(p, m, b0, b1); break;
-      case 2: row_tile<2>(p, m, b0, b1); break;
-      default: row_tile<1>(p, m, b0, b1); break;
+      case 12: f(m, std::integral_constant<int, 12>{}); break;
+      case 11: f(m, std::integral_constant<int, 11>{}); break;
+      case 10: f(m, std::integral_constant<int, 10>{}); break;
+      case 9: f(m, std::integral_constant<int, 9>{}); break;
+      case 8: f(m, std::integral_constant<int, 8>{}); break;
+      case 7: f(m, std::integral_constant<int, 7>{}); break;
+      case 6: f(m, std::integral_constant<int, 6>{}); break;
+      case 5: f(m, std::integral_constant<int, 5>{}); break;
+      case 4: f(m, std::integral_constant<int, 4>{}); break;
+      case 3: f(m, std::integral_constant<int, 3>{}); break;
+      case 2: f(m, std::integral_constant<int, 2>{}); break;
+      default: f(m, std::integral_constant<int, 1>{}); break;
     }
     m += height;
   }
+}
+
+// All rows of `p` against column blocks [b0, b1).
+template <class B>
+void rows_times_blocks(const Product<B>& p, int64_t b0, int64_t b1) {
+  near_equal_tiles(0, p.M, [&](int64_t m, auto height) { row_tile<decltype(height)::value>(p, m, b0, b1); });
 }
 
 void check_packed(const at::Tensor& t, const char* name, int64_t blocks, int64_t K, bool half_too = false) {
@@ -202,47 +218,280 @@ void run_product(const Product<B>& product, int64_t blocks) {
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) { rows_times_blocks(product, b0, b1); });
 }
 
+// What both operators check and prepare: the bias, the tail's start and, with LoRA, the tail rows' codes z.
+struct Prepared {
+  int64_t M, K, blocks;
+  const float* bias = nullptr;
+  int64_t tail = 0, R = 0;
+  std::vector<float> z;
+};
+
+Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                 const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
+                 const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              op, ": x must be a contiguous [M, K] float32 CPU tensor");
+  Prepared p{x.size(0), x.size(1), (N + kLanes - 1) / kLanes};
+  TORCH_CHECK(N > 0, op, ": N must be positive");
+  check_packed(packed, "weight", p.blocks, p.K);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                op, ": bias must be N contiguous float32 values");
+    p.bias = bias->data_ptr<float>();
+  }
+  p.tail = std::clamp<int64_t>(tail_start, 0, p.M);
+  if (lora_a.has_value() && p.tail < p.M) {
+    TORCH_CHECK(lora_b.has_value(), op, ": lora_a needs lora_b");
+    p.R = lora_b->dim() == 3 ? lora_b->size(1) : 0;
+    check_packed(*lora_b, "lora_b", p.blocks, p.R, /*half_too=*/true);
+    check_packed(*lora_a, "lora_a", (p.R + kLanes - 1) / kLanes, p.K);
+    p.z.resize((p.M - p.tail) * p.R);  // the codes: a product of its own, too small to share among threads
+    const Product<float> codes{x.data_ptr<float>() + p.tail * p.K, p.M - p.tail, p.K, lora_a->data_ptr<float>(), p.R,
+                               nullptr, nullptr, nullptr, 0, p.M - p.tail, p.z.data()};
+    rows_times_blocks(codes, 0, (p.R + kLanes - 1) / kLanes);
+  }
+  return p;
+}
+
 // y = x @ wᵀ (+ bias) from w packed by pack_columns; rows from tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ,
 // with lora_a [R, K] (float32) and lora_b [N, R] (float32 or float16: its stream halved) packed the same way.
 at::Tensor packed_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
                              const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "packed_row_linear: x must be a contiguous [M, K] float32 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1), blocks = (N + kLanes - 1) / kLanes;
-  TORCH_CHECK(N > 0, "packed_row_linear: N must be positive");
-  check_packed(packed, "weight", blocks, K);
-  const float* bias_data = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "packed_row_linear: bias must be N contiguous float32 values");
-    bias_data = bias->data_ptr<float>();
-  }
-  const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
-  std::vector<float> z;
-  int64_t R = 0;
-  if (lora_a.has_value() && tail < M) {
-    TORCH_CHECK(lora_b.has_value(), "packed_row_linear: lora_a needs lora_b");
-    R = lora_b->dim() == 3 ? lora_b->size(1) : 0;
-    check_packed(*lora_b, "lora_b", blocks, R, /*half_too=*/true);
-    check_packed(*lora_a, "lora_a", (R + kLanes - 1) / kLanes, K);
-    z.resize((M - tail) * R);  // the codes: a product of its own, too small to share among threads
-    const Product<float> codes{x.data_ptr<float>() + tail * K, M - tail, K, lora_a->data_ptr<float>(), R, nullptr,
-                               nullptr, nullptr, 0, M - tail, z.data()};
-    rows_times_blocks(codes, 0, (R + kLanes - 1) / kLanes);
-  }
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
+  const Prepared p = prepare("packed_row_linear", x, packed, N, bias, lora_a, lora_b, tail_start);
+  at::Tensor y = at::empty({p.M, N}, x.options());
+  if (p.M == 0) return y;
   const float* x_data = x.data_ptr<float>();
-  const float* codes = z.empty() ? nullptr : z.data();
-  if (R && lora_b->scalar_type() == at::kHalf)
-    run_product(Product<c10::Half>{x_data, M, K, packed.data_ptr<float>(), N, bias_data, codes,
-                                   lora_b->data_ptr<c10::Half>(), R, tail, y.data_ptr<float>()}, blocks);
+  const float* codes = p.z.empty() ? nullptr : p.z.data();
+  if (p.R && lora_b->scalar_type() == at::kHalf)
+    run_product(Product<c10::Half>{x_data, p.M, p.K, packed.data_ptr<float>(), N, p.bias, codes,
+                                   lora_b->data_ptr<c10::Half>(), p.R, p.tail, y.data_ptr<float>()}, p.blocks);
   else
-    run_product(Product<float>{x_data, M, K, packed.data_ptr<float>(), N, bias_data, codes,
-                               R ? lora_b->data_ptr<float>() : nullptr, R, tail, y.data_ptr<float>()}, blocks);
+    run_product(Product<float>{x_data, p.M, p.K, packed.data_ptr<float>(), N, p.bias, codes,
+                               p.R ? lora_b->data_ptr<float>() : nullptr, p.R, p.tail, y.data_ptr<float>()}, p.blocks);
   return y;
 }
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define HF_TIDAR_PACKED_BF16 1
+
+// Draft rows in bfloat16 (TiDAR's [MASK] rows, whose outputs verification never trusts). vdpbf16ps adds two
+// products to each float32 lane, lane i += a[2i]·b[2i] + a[2i+1]·b[2i+1]: with the pair (x[k], x[k+1]) broadcast,
+// the weights must hold (w[n, k], w[n, k+1]) side by side. The packed float32 blocks hold w[., k] and w[., k+1] as
+// two lines; they are rounded to bfloat16 together (vcvtne2ps2bf16) and interleaved (vpermw) as they are read, so
+// one instruction does the work of two fused multiply-adds for every draft row of the tile: the saving grows with
+// the draft rows, the rounding and interleaving cost a fixed two instructions a step.
+alignas(64) constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+// A tile of MC clean rows (float32, packed_tile's order: their bits) and MT draft rows sharing one sweep over NV
+// column blocks (MC = 0: draft rows alone). xp holds each draft row's x rounded to bfloat16 as pairs (stride ldp
+// pairs), xt the draft rows in float32 (an odd K's last term, stride K); the draft rows then get their LoRA update
+// (codes z) in float32. Each step's two weight lines are loaded once, multiply-added into the clean rows
+// as they are and, rounded and interleaved, into the draft rows.
+template <int MC, int MT, int NV, class B>
+inline void mixed_tile(const float* x, int64_t ldx, const uint32_t* xp, int64_t ldp, const float* xt, int64_t K,
+                       const float* w, int64_t block, const float* z, int64_t R, const B* b, const float* bias,
+                       float* y, int64_t ldy, int64_t valid) {
+  constexpr int MR = MC + MT;
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  const __m512i order = _mm512_load_si512(kPairOrder);
+  int64_t k = 0;
+  for (; k + 1 < K; k += 2) {
+    for (int v = 0; v < NV; ++v) {
+      const float* line = w + v * block + k * kLanes;
+      _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchSteps * kLanes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(line + (kPrefetchSteps + 1) * kLanes), _MM_HINT_T1);
+      const __m512 w0 = _mm512_loadu_ps(line), w1 = _mm512_loadu_ps(line + kLanes);
+      for (int i = 0; i < MC; ++i)
+        acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k + 1]), w1,
+                                    _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), w0, acc[i][v]));
+      const __m512bh both = _mm512_cvtne2ps_pbh(w1, w0);
+      const __m512i pairs = _mm512_permutexvar_epi16(order, reinterpret_cast<const __m512i&>(both));
+      for (int i = 0; i < MT; ++i) {
+        const __m512i a = _mm512_set1_epi32(static_cast<int>(xp[i * ldp + k / 2]));
+        acc[MC + i][v] = _mm512_dpbf16_ps(acc[MC + i][v], reinterpret_cast<const __m512bh&>(pairs),
+                                          reinterpret_cast<const __m512bh&>(a));
+      }
+    }
+  }
+  if (k < K) {  // an odd K's last term, in float32 for every row
+    for (int v = 0; v < NV; ++v) {
+      const __m512 wl = _mm512_loadu_ps(w + v * block + k * kLanes);
+      for (int i = 0; i < MC; ++i) acc[i][v] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * ldx + k]), wl, acc[i][v]);
+      for (int i = 0; i < MT; ++i)
+        acc[MC + i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xt[i * K + k]), wl, acc[MC + i][v]);
+    }
+  }
+  finish_tile<MR, NV>(acc, z, R, b, MC, bias, y, ldy, valid);
+}
+
+// Column blocks per draft tile: MR x NV accumulators, NV interleaved weights, two lines being rounded, a broadcast.
+template <int MR>
+constexpr int bf16_columns_for() {
+  return MR <= 3 ? 6 : MR <= 5 ? 4 : MR <= 8 ? 3 : 2;
+}
+
+template <class B>
+struct DraftRows {
+  const uint32_t* xp;  // [T, ldp] bfloat16 pairs of the draft rows
+  int64_t ldp;
+  const float* x;  // [T, K] the draft rows in float32 (an odd K's last term)
+  int64_t T, K;
+  const float* w;
+  int64_t N;
+  const float* bias;
+  const float* z;  // [T, R] codes, or null
+  const B* b;
+  int64_t R;
+  float* y;  // [T, N]
+};
+
+template <int MR, class B>
+void bf16_row_tile(const DraftRows<B>& p, int64_t m, int64_t first_block, int64_t last_block) {
+  constexpr int NV = bf16_columns_for<MR>();
+  const float* codes = p.z ? p.z + m * p.R : nullptr;
+  for (int64_t blk = first_block; blk < last_block;) {
+    const int64_t n = blk * kLanes;
+    const B* b = codes ? p.b + blk * p.R * kLanes : nullptr;
+    const float* bias = p.bias ? p.bias + n : nullptr;
+    const float* w = p.w + blk * p.K * kLanes;
+    if (last_block - blk >= NV) {
+      mixed_tile<0, MR, NV>(nullptr, 0, p.xp + m * p.ldp, p.ldp, p.x + m * p.K, p.K, w, p.K * kLanes, codes, p.R, b,
+                            bias, p.y + m * p.N + n, p.N, p.N - n);
+      blk += NV;
+    } else {
+      mixed_tile<0, MR, 1>(nullptr, 0, p.xp + m * p.ldp, p.ldp, p.x + m * p.K, p.K, w, p.K * kLanes, codes, p.R, b,
+                           bias, p.y + m * p.N + n, p.N, p.N - n);
+      blk += 1;
+    }
+  }
+}
+
+// Draft rows [from, to) of `p` against column blocks [b0, b1).
+template <class B>
+void bf16_rows_times_blocks(const DraftRows<B>& p, int64_t from, int64_t to, int64_t b0, int64_t b1) {
+  near_equal_tiles(from, to, [&](int64_t m, auto height) { bf16_row_tile<decltype(height)::value>(p, m, b0, b1); });
+}
+
+// The first MC clean rows and the first MT draft rows against column blocks [first_block, last_block).
+template <int MC, int MT, class B>
+void mixed_row_tile(const Product<B>& clean, const DraftRows<B>& drafts, int64_t first_block, int64_t last_block) {
+  constexpr int NV = columns_for<MC + MT>();
+  const int64_t K = clean.K, N = clean.N;
+  for (int64_t blk = first_block; blk < last_block;) {
+    const int64_t n = blk * kLanes;
+    const float* w = clean.w + blk * K * kLanes;
+    const B* b = drafts.z ? drafts.b + blk * drafts.R * kLanes : nullptr;
+    const float* bias = clean.bias ? clean.bias + n : nullptr;
+    // Rows are contiguous in y: the clean rows' outputs, then the draft rows'.
+    if (last_block - blk >= NV) {
+      mixed_tile<MC, MT, NV>(clean.x, K, drafts.xp, drafts.ldp, drafts.x, K, w, K * kLanes, drafts.z, drafts.R, b,
+                             bias, clean.y + n, N, N - n);
+      blk += NV;
+    } else {
+      mixed_tile<MC, MT, 1>(clean.x, K, drafts.xp, drafts.ldp, drafts.x, K, w, K * kLanes, drafts.z, drafts.R, b,
+                            bias, clean.y + n, N, N - n);
+      blk += 1;
+    }
+  }
+}
+
+constexpr int kMaxMixedClean = 4;  // clean rows a mixed tile takes (a pass verifies k of them: k <= 4 here)
+
+// mixed_row_tile<MC, height - MC> for a height known at run time (MC < height <= MR).
+template <int MC, int MR, class B>
+void mixed_row_tile_of(int64_t height, const Product<B>& clean, const DraftRows<B>& drafts, int64_t b0, int64_t b1) {
+  if constexpr (MR > MC) {
+    if (height == MR) return mixed_row_tile<MC, MR - MC>(clean, drafts, b0, b1);
+    mixed_row_tile_of<MC, MR - 1>(height, clean, drafts, b0, b1);
+  }
+}
+
+template <class B>
+void mixed_first_tile(int64_t height, const Product<B>& clean, const DraftRows<B>& drafts, int64_t b0, int64_t b1) {
+  switch (clean.M) {
+    case 1: mixed_row_tile_of<1, kMaxTileRows>(height, clean, drafts, b0, b1); break;
+    case 2: mixed_row_tile_of<2, kMaxTileRows>(height, clean, drafts, b0, b1); break;
+    case 3: mixed_row_tile_of<3, kMaxTileRows>(height, clean, drafts, b0, b1); break;
+    default: mixed_row_tile_of<4, kMaxTileRows>(height, clean, drafts, b0, b1); break;
+  }
+}
+
+// Rows of x rounded to bfloat16 (to nearest even), each padded to an even length and read as pairs.
+std::vector<uint32_t> bfloat16_pairs(const float* x, int64_t rows, int64_t K) {
+  const int64_t ldp = (K + 1) / 2;
+  std::vector<uint32_t> pairs(rows * ldp, 0);
+  for (int64_t i = 0; i < rows; ++i) {
+    auto* out = reinterpret_cast<uint16_t*>(pairs.data() + i * ldp);
+    for (int64_t k = 0; k < K; k += kLanes) {
+      const __mmask16 keep = K - k >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << (K - k)) - 1);
+      const __m256bh half = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(keep, x + i * K + k));
+      _mm256_mask_storeu_epi16(out + k, keep, reinterpret_cast<const __m256i&>(half));
+    }
+  }
+  return pairs;
+}
+
+// The column blocks a chunk of the product covers when the clean rows and the draft rows sweep it in separate
+// tiles: the draft tiles read it from L2 (12 blocks of K <= 1024 take at most 768 KB).
+inline int64_t chunk_blocks(int64_t K) { return K <= 1024 ? 12 : 6; }
+
+// Clean rows, then draft rows, against column blocks [b0, b1). The first row tile holds the clean rows (up to
+// kMaxMixedClean of them) and the first draft rows in one sweep; where the clean rows do not fit one (a longer
+// verification), clean and draft tiles sweep each chunk of blocks in turn.
+template <class B>
+void mixed_rows_times_blocks(const Product<B>& clean, const DraftRows<B>& drafts, int64_t b0, int64_t b1) {
+  const int64_t rows = clean.M + drafts.T, tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
+  const int64_t first = rows / tiles + (rows % tiles ? 1 : 0);
+  if (clean.M >= 1 && clean.M <= kMaxMixedClean && first > clean.M) {
+    mixed_first_tile(first, clean, drafts, b0, b1);
+    bf16_rows_times_blocks(drafts, first - clean.M, drafts.T, b0, b1);
+    return;
+  }
+  const int64_t chunk = chunk_blocks(clean.K);
+  for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
+    const int64_t c1 = std::min(b1, c0 + chunk);
+    if (clean.M) rows_times_blocks(clean, c0, c1);
+    bf16_rows_times_blocks(drafts, 0, drafts.T, c0, c1);
+  }
+}
+
+template <class B>
+void mixed_product(const Product<B>& clean, const DraftRows<B>& drafts, int64_t blocks) {
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) { mixed_rows_times_blocks(clean, drafts, b0, b1); });
+}
+
+// packed_row_linear whose rows from tail_start on are drafts, multiplied in bfloat16: x and the weights rounded to
+// bfloat16, products summed in float32 (an odd K's last term in float32); their LoRA update, if given, as in
+// packed_row_linear. Rows before tail_start are bit for bit packed_row_linear's.
+at::Tensor packed_row_linear_bf16_tail(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
+                                       const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
+  const Prepared p = prepare("packed_row_linear_bf16_tail", x, packed, N, bias, lora_a, lora_b, tail_start);
+  if (p.tail == p.M) return packed_row_linear(x, packed, N, bias, lora_a, lora_b, tail_start);
+  at::Tensor y = at::empty({p.M, N}, x.options());
+  const float* x_data = x.data_ptr<float>();
+  float* y_data = y.data_ptr<float>();
+  const std::vector<uint32_t> pairs = bfloat16_pairs(x_data + p.tail * p.K, p.M - p.tail, p.K);
+  const float* codes = p.z.empty() ? nullptr : p.z.data();
+  const float* w = packed.data_ptr<float>();
+  auto run = [&](const auto* b) {
+    using B = std::remove_const_t<std::remove_pointer_t<decltype(b)>>;
+    const Product<B> clean{x_data, p.tail, p.K, w, N, p.bias, nullptr, nullptr, 0, p.tail, y_data};
+    const DraftRows<B> drafts{pairs.data(), (p.K + 1) / 2, x_data + p.tail * p.K, p.M - p.tail, p.K, w, N, p.bias,
+                              codes, b, p.R, y_data + p.tail * N};
+    mixed_product(clean, drafts, p.blocks);
+  };
+  if (p.R && lora_b->scalar_type() == at::kHalf)
+    run(lora_b->data_ptr<c10::Half>());
+  else
+    run(p.R ? lora_b->data_ptr<float>() : static_cast<const float*>(nullptr));
+  return y;
+}
+#endif  // bfloat16
 
 }  // namespace
 
@@ -252,6 +501,11 @@ HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
   m.def("packed_row_linear(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",
         &packed_row_linear);
+#ifdef HF_TIDAR_PACKED_BF16
+  m.def("packed_row_linear_bf16_tail(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
+        "int tail_start) -> Tensor",
+        &packed_row_linear_bf16_tail);
+#endif
 }
 
 #endif  // __AVX512F__

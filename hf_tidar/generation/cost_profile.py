@@ -318,12 +318,13 @@ def profile_key(model) -> str:
     digest = hashlib.sha256(config.encode()).hexdigest()[:16]
     attn = model.config.get_text_config()._attn_implementation
     from ..cpu import is_enabled  # the measured linear path changes every cost
-    from ..cpu.linear import BF16_DRAFT_MIN_ROWS, draft_dtype_of, is_packed, machine_key
+    from ..cpu.linear import bf16_draft_min_rows, is_packed, machine_key
 
     # On that path the costs also follow the CPU and the kernel's build: a rebuilt kernel is timed afresh.
     linears = f"-measured-{machine_key()}" if is_enabled(model) else ""
-    if draft_dtype_of(model) is not None:  # drafts in bfloat16 (from that many rows on) make passes cheaper
-        linears += f"-drafts-bf16-min{BF16_DRAFT_MIN_ROWS}"
+    min_rows = bf16_draft_min_rows(model)
+    if min_rows is not None:  # drafts in bfloat16 (from that many rows on) make passes cheaper
+        linears += f"-drafts-bf16-min{min_rows}"
     if is_packed(model):  # weights packed by columns: many-row passes cost less
         linears += "-packed"
     return (f"v{PROFILE_VERSION}-{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
