@@ -197,6 +197,17 @@ def test_the_datastore_command_builds_a_calibrated_store_from_distilled_rows(tmp
     assert store.calibration[:, 2].tolist() == [4.0, 3.0, 2.0, 1.0]
     assert main(args) == 1 and "--overwrite" in capsys.readouterr().err
     assert main([*args, "--overwrite"]) == 0
+    capsys.readouterr()
+    # --add-to: another store's documents join the corpus, and the new store is calibrated on DATA's held-out rows
+    other = DraftDatastore.from_sequences([[20, 21, 22, 23], [24, 25, 26]])
+    other.save(tmp_path / "other.npz")
+    grown = tmp_path / "grown.npz"
+    assert main([*args[:2], "--output", str(grown), "--calibration-rows", "2", "--add-to", str(tmp_path / "other.npz")]) == 0
+    assert json.loads(capsys.readouterr().out)["documents"] == 6
+    both = DraftDatastore.load(grown)
+    assert both.documents() == [[20, 21, 22, 23], [24, 25, 26], *rows]
+    assert both.calibration[:, 2].tolist() == [4.0, 3.0, 2.0, 1.0]  # the other documents match nothing here
+    assert both.propose([20, 21], 2).tokens == [22, 23]  # and draft where they match
 
 
 # -- how many drafts a datastore proposal keeps ----------------------------------------------------------

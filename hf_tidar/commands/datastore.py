@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calibration-rows", type=int, default=400,
                         help="last rows held out while the acceptance of each kind of match is measured "
                         "(they join the corpus afterwards; default 400)")
+    parser.add_argument("--add-to", metavar="DATASTORE",
+                        help="an existing datastore (.npz) whose documents join the corpus: the new one holds both "
+                        "(calibrated again, on the held-out rows of DATA)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing file")
 
 
@@ -33,12 +36,13 @@ def run(args: argparse.Namespace) -> int:
     held = min(max(args.calibration_rows, 0), len(dataset) // 2)
     rows, labels = dataset["input_ids"], dataset["labels"]
     documents = rows[: len(rows) - held]
+    base = DraftDatastore.load(args.add_to).documents() if args.add_to else []
     held_out = [(row, _first_target(label, IGNORE_INDEX)) for row, label in zip(rows[len(rows) - held:],
                                                                                 labels[len(rows) - held:], strict=True)]
-    store = DraftDatastore.calibrate(documents, held_out)
+    store = DraftDatastore.calibrate([*base, *documents], held_out)
     target.parent.mkdir(parents=True, exist_ok=True)
     store.save(target)
-    print(json.dumps({"output": str(target), "tokens": store.num_tokens, "documents": len(rows),
+    print(json.dumps({"output": str(target), "tokens": store.num_tokens, "documents": len(base) + len(rows),
                       "calibration_rows": held, "max_ngram": store.max_ngram,
                       "calibration": store.calibration.round(3).tolist()}, indent=1))
     return EXIT_OK

@@ -73,6 +73,13 @@ class DraftDatastore:
             flat.append(SEPARATOR)
         return cls(np.array(flat, dtype=np.int64))
 
+    def documents(self) -> list[list[int]]:
+        """The corpus as the documents it was built from (the runs between separators)."""
+        cuts = np.flatnonzero(self.tokens == SEPARATOR)
+        starts = np.concatenate([[0], cuts + 1])
+        ends = np.concatenate([cuts, [len(self.tokens)]])
+        return [self.tokens[start:end].tolist() for start, end in zip(starts, ends, strict=True) if end > start]
+
     @property
     def num_tokens(self) -> int:
         """Tokens in the corpus (separators not counted)."""
