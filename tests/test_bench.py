@@ -201,6 +201,18 @@ def test_draft_source_rows_exact_with_one_row_per_lookup_length():
     assert all(r["identical_rate"] == 1.0 for name, r in rows.items() if name != "ar")
 
 
+def test_rows_of_several_datastores_are_told_apart():
+    from hf_tidar.bench.methods import _source_variants
+
+    config = BenchConfig(model="tiny", draft_sources=["best"], datastores=["none", "adapter", "a/store.npz",
+                                                                           "b/grown.npz", "c/grown.npz"])
+    suffixes = [suffix for suffix, _ in _source_variants(config)]
+    assert suffixes == ["-best", "-best-ds", "-best-ds-store", "-best-ds3", "-best-ds4"]
+    assert len(set(suffixes)) == len(suffixes)
+    one = BenchConfig(model="tiny", draft_sources=["best"], datastores=["a/store.npz"])
+    assert [suffix for suffix, _ in _source_variants(one)] == ["-best"]
+
+
 def test_printed_command_reproduces_the_configuration():
     parser = build_parser()
     argv = ["bench", "smollm2", "--threads", "1", "--draft-length", "2", "4", "--per-set", "2", "--repeats", "2",

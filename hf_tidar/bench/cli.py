@@ -66,8 +66,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="most prompt-lookup drafts a pass verifies, for the lookup draft sources (one row set "
                         "each)")
     parser.add_argument("--datastores", nargs="+", default=["adapter"], metavar="{adapter,none,FILE}",
-                        help="lookup-draft datastores for the lookup draft sources (one row set each; rows with one "
-                        "are suffixed -ds when several are given): the model's own (adapter, the default: the one "
+                        help="lookup-draft datastores for the lookup draft sources (one row set each; when several are "
+                        "given, rows are suffixed -ds for the adapter's and -ds-STEM for a file): the model's own (adapter, the default: the one "
                         "the adapter ships, if any), none, or a datastore file (hf-tidar datastore)")
     parser.add_argument("--draft-dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
                         help="with --cpu-linears and float32: bfloat16 also runs every TiDAR row on a copy of the model "

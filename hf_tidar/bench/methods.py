@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from .config import BenchConfig
 from .models import Models
@@ -83,10 +84,22 @@ def _source_variants(config: BenchConfig) -> list[tuple[str, dict]]:
         for length in lengths:
             for store in config.datastores:
                 suffix = f"-{source.replace('_', '-')}" + (f"-L{length}" if len(lengths) > 1 else "")
-                suffix += "-ds" if len(config.datastores) > 1 and store != "none" else ""
+                suffix += _datastore_suffix(store, config.datastores)
                 variants.append((suffix, {"draft_source": source, "lookup_length": length,
                                           **_datastore_kwargs(store)}))
     return variants
+
+
+def _datastore_suffix(store: str, stores: list[str]) -> str:
+    """A row's name suffix for its datastore, when several are compared: none for ``none``, ``-ds`` for the
+    model's own, ``-ds-<file stem>`` for a file (``-ds<i>`` where stems repeat), so that every row is told apart."""
+    if len(stores) < 2 or store == "none":
+        return ""
+    if store == "adapter":
+        return "-ds"
+    stems = [Path(other).stem for other in stores if other not in ("none", "adapter")]
+    stem = Path(store).stem
+    return f"-ds-{stem}" if stems.count(stem) == 1 else f"-ds{stores.index(store)}"
 
 
 def _datastore_kwargs(store: str) -> dict:
