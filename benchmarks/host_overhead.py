@@ -3,6 +3,7 @@
     python benchmarks/host_overhead.py --draft-length 4 --max-new-tokens 64
     python benchmarks/host_overhead.py --adapter shipped --cpu-linears --draft-length 2 --draft-groups 1 \
         --draft-source best          # the demo's setting
+    python benchmarks/host_overhead.py --adapter shipped --cpu-linears --draft-length 4 --torch-choices
 
 Runs SmolLM2-135M-Instruct (converted, untrained drafts; or with a gated adapter in its lean form)
 greedily on a code prompt and times, per pass, the wall time of the whole loop and the time spent inside
@@ -32,7 +33,13 @@ def main() -> None:
     parser.add_argument("--adapter", default=None, help="a gated adapter folder, or 'shipped'; loaded lean")
     parser.add_argument("--cpu-linears", action="store_true", help="the measured CPU linear path (hf_tidar.cpu)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--torch-choices", action="store_true",
+                        help="choose each row's best two tokens with torch (argmax, max) instead of the CPU kernel")
     args = parser.parse_args()
+    if args.torch_choices:
+        from hf_tidar.generation import tidar_decoder
+
+        tidar_decoder.best_two_kernel = lambda: None
 
     ar, tokenizer = load_smollm2()
     if args.adapter:

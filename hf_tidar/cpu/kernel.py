@@ -24,8 +24,10 @@ from ..assets import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("few_rows.cpp", "packed_rows.cpp", "row_attention.cpp"))
-"""The operator library's sources: the few-row matmul, its column-packed variant and the row-invariant attention."""
+SOURCES = tuple(Path(__file__).with_name(name)
+                for name in ("few_rows.cpp", "packed_rows.cpp", "row_attention.cpp", "best_two.cpp"))
+"""The operator library's sources: the few-row matmul, its column-packed variant, the row-invariant attention and
+each row's best two tokens."""
 
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     # name: (the CPU flags it needs, as /proc/cpuinfo spells them; the compiler flags that build it)
@@ -205,6 +207,17 @@ def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., to
         return None
     library = built_library(isa)
     return None if library is None else library.row_attention
+
+
+def best_two_kernel() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """``row_best_two(scores [R, V]) -> (best [R], second [R])`` (``best_two.cpp``): each row's argmax and its
+    second-best token (the best itself where no other score is finite), the choices torch makes, faster; ``None``
+    where the library cannot run here."""
+    isa = kernel_isa()
+    if _unavailable_reason(isa) is not None:
+        return None
+    library = built_library(isa)
+    return None if library is None else library.row_best_two
 
 
 def built_kernel(isa: str) -> Callable[..., torch.Tensor] | None:

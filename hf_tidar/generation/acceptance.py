@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessorList
 
-from .processors import all_position_free, row_view
+from .processors import MaskTokenSuppressor, all_position_free, row_view
 
 
 class Scorer:
@@ -29,6 +29,8 @@ class Scorer:
         self.processors = processors
         self.position_free = all_position_free(processors)
         self.per_row = [LogitsProcessorList(row_view(p, row, rows) for p in processors) for row in range(rows)]
+        # Whether the processors set [MASK]'s score to -inf themselves (generate puts the suppressor first).
+        self.suppresses_mask = any(isinstance(p, MaskTokenSuppressor) for p in processors)
 
     def one(self, row: int, prefix: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Scores ``[V]`` of batch row ``row`` at the position after ``prefix`` (``[1, length]``)."""
