@@ -66,15 +66,23 @@ def test_the_lora_tail_is_added_to_the_tail_rows_only(rank, rows, tail):
 
 
 @needs_packed
-def test_float16_lora_b_gives_the_bits_of_its_float32_values():
+@pytest.mark.parametrize("half", ["lora_a", "lora_b", "both"])
+def test_float16_factors_give_the_bits_of_their_float32_values(half):
     pack, multiply = packed_row_kernel()
     generator = torch.Generator().manual_seed(3)
-    weight, lora_a = torch.randn(40, 24, generator=generator), torch.randn(16, 24, generator=generator)
-    lora_b = torch.randn(40, 16, generator=generator).half()
+    weight = torch.randn(40, 24, generator=generator)
+    lora_a, lora_b = torch.randn(16, 24, generator=generator).half(), torch.randn(40, 16, generator=generator).half()
     assert pack(lora_b).dtype == torch.float16 and torch.equal(pack(lora_b).float(), pack(lora_b.float()))
     x = torch.randn(7, 24, generator=generator)
-    half = multiply(x, pack(weight), 40, None, pack(lora_a), pack(lora_b), 2)
-    assert torch.equal(half, multiply(x, pack(weight), 40, None, pack(lora_a), pack(lora_b.float()), 2))
+    given_a = lora_a if half in ("lora_a", "both") else lora_a.float()
+    given_b = lora_b if half in ("lora_b", "both") else lora_b.float()
+    got = multiply(x, pack(weight), 40, None, pack(given_a), pack(given_b), 2)
+    assert torch.equal(got, multiply(x, pack(weight), 40, None, pack(lora_a.float()), pack(lora_b.float()), 2))
+    torch.testing.assert_close(got, _reference(x, weight, None, lora_a.float(), lora_b.float(), 2), rtol=1e-5,
+                               atol=1e-5)
+    for drafts in filter(None, [packed_bf16_tail_kernel()]):  # the bfloat16-tail operator takes them too
+        got = drafts(x, pack(weight), 40, None, pack(given_a), pack(given_b), 2)
+        assert torch.equal(got, drafts(x, pack(weight), 40, None, pack(lora_a.float()), pack(lora_b.float()), 2))
 
 
 def _bf16_reference(x, weight, bias, lora_a, lora_b):

@@ -76,7 +76,7 @@ at::Tensor pack_columns(const at::Tensor& w) {
   return packed;
 }
 
-// A step of a packed lora_b block: 16 float32 lanes, or 16 float16 lanes widened exactly.
+// A step of a packed block: 16 float32 lanes, or 16 float16 lanes widened exactly (the LoRA factors).
 inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_lanes(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -109,10 +109,11 @@ inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const 
   }
 }
 
-// One tile: MR rows of x (stride ldx) against NV packed column blocks (each K x 16, `block` floats apart);
-// rows from `first` on also get z (their codes, stride R) against NV packed lora_b blocks (R x 16 each).
-template <int MR, int NV, class B>
-inline void packed_tile(const float* x, int64_t ldx, int64_t K, const float* w, int64_t block, const float* z,
+// One tile: MR rows of x (stride ldx) against NV packed column blocks (each K x 16, `block` elements apart; float32,
+// or float16 widened exactly: a LoRA factor's codes); rows from `first` on also get z (their codes, stride R) against
+// NV packed lora_b blocks (R x 16 each).
+template <int MR, int NV, class B, class W>
+inline void packed_tile(const float* x, int64_t ldx, int64_t K, const W* w, int64_t block, const float* z,
                         int64_t R, const B* b, int first, const float* bias, float* y, int64_t ldy,
                         int64_t valid) {
   __m512 acc[MR][NV];
@@ -122,7 +123,7 @@ inline void packed_tile(const float* x, int64_t ldx, int64_t K, const float* w, 
     __m512 wv[NV];
     for (int v = 0; v < NV; ++v) {
       _mm_prefetch(reinterpret_cast<const char*>(w + v * block + (k + kPrefetchSteps) * kLanes), _MM_HINT_T1);
-      wv[v] = _mm512_loadu_ps(w + v * block + k * kLanes);
+      wv[v] = load_lanes(w + v * block + k * kLanes);
     }
     for (int i = 0; i < MR; ++i) {  // constant trip counts keep every accumulator in a register
       const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
@@ -139,11 +140,11 @@ constexpr int columns_for() {
   return MR == 1 ? 8 : MR <= 3 ? 6 : MR <= 6 ? 4 : MR <= 8 ? 3 : 2;
 }
 
-template <class B>
+template <class B, class W = float>
 struct Product {
   const float* x;  // [M, K]
   int64_t M, K;
-  const float* w;  // packed [blocks, K, 16]
+  const W* w;  // packed [blocks, K, 16]: float32 (a weight) or float16 (lora_a, for the codes)
   int64_t N;
   const float* bias;
   const float* z;  // the tail rows' codes [M - tail, R], or null
@@ -153,15 +154,15 @@ struct Product {
 };
 
 // Rows m..m+MR-1 of `p` against column blocks [first_block, last_block), NV at a time.
-template <int MR, class B>
-void row_tile(const Product<B>& p, int64_t m, int64_t first_block, int64_t last_block) {
+template <int MR, class P>
+void row_tile(const P& p, int64_t m, int64_t first_block, int64_t last_block) {
   constexpr int NV = columns_for<MR>();
   const int first = p.z ? int(std::clamp<int64_t>(p.tail - m, 0, MR)) : MR;
   const float* codes = p.z && first < MR ? p.z + (m + first - p.tail) * p.R : nullptr;
   for (int64_t blk = first_block; blk < last_block;) {
     const int64_t n = blk * kLanes;
-    const float* w = p.w + blk * p.K * kLanes;
-    const B* b = codes ? p.b + blk * p.R * kLanes : nullptr;
+    const auto* w = p.w + blk * p.K * kLanes;
+    const auto* b = codes ? p.b + blk * p.R * kLanes : nullptr;
     const float* bias = p.bias ? p.bias + n : nullptr;
     if (last_block - blk >= NV) {
       packed_tile<MR, NV>(p.x + m * p.K, p.K, p.K, w, p.K * kLanes, codes, p.R, b, first, bias, p.y + m * p.N + n,
@@ -201,8 +202,8 @@ void near_equal_tiles(int64_t from, int64_t to, F&& f) {
 }
 
 // All rows of `p` against column blocks [b0, b1).
-template <class B>
-void rows_times_blocks(const Product<B>& p, int64_t b0, int64_t b1) {
+template <class P>
+void rows_times_blocks(const P& p, int64_t b0, int64_t b1) {
   near_equal_tiles(0, p.M, [&](int64_t m, auto height) { row_tile<decltype(height)::value>(p, m, b0, b1); });
 }
 
@@ -244,17 +245,22 @@ Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, 
     TORCH_CHECK(lora_b.has_value(), op, ": lora_a needs lora_b");
     p.R = lora_b->dim() == 3 ? lora_b->size(1) : 0;
     check_packed(*lora_b, "lora_b", p.blocks, p.R, /*half_too=*/true);
-    check_packed(*lora_a, "lora_a", (p.R + kLanes - 1) / kLanes, p.K);
+    check_packed(*lora_a, "lora_a", (p.R + kLanes - 1) / kLanes, p.K, /*half_too=*/true);
     p.z.resize((p.M - p.tail) * p.R);  // the codes: a product of its own, too small to share among threads
-    const Product<float> codes{x.data_ptr<float>() + p.tail * p.K, p.M - p.tail, p.K, lora_a->data_ptr<float>(), p.R,
-                               nullptr, nullptr, nullptr, 0, p.M - p.tail, p.z.data()};
-    rows_times_blocks(codes, 0, (p.R + kLanes - 1) / kLanes);
+    const float* rows = x.data_ptr<float>() + p.tail * p.K;
+    const int64_t code_blocks = (p.R + kLanes - 1) / kLanes;
+    if (lora_a->scalar_type() == at::kHalf)  // an exact float16 factor: half its stream, the same products
+      rows_times_blocks(Product<float, c10::Half>{rows, p.M - p.tail, p.K, lora_a->data_ptr<c10::Half>(), p.R, nullptr,
+                                                  nullptr, nullptr, 0, p.M - p.tail, p.z.data()}, 0, code_blocks);
+    else
+      rows_times_blocks(Product<float>{rows, p.M - p.tail, p.K, lora_a->data_ptr<float>(), p.R, nullptr, nullptr,
+                                       nullptr, 0, p.M - p.tail, p.z.data()}, 0, code_blocks);
   }
   return p;
 }
 
 // y = x @ wᵀ (+ bias) from w packed by pack_columns; rows from tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ,
-// with lora_a [R, K] (float32) and lora_b [N, R] (float32 or float16: its stream halved) packed the same way.
+// with lora_a [R, K] and lora_b [N, R] (each float32 or float16: its stream halved) packed the same way.
 at::Tensor packed_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
                              const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
