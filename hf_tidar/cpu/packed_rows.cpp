@@ -14,10 +14,12 @@
 // in a one-row AR step and in a many-row TiDAR pass (not the same bits as few_rows.cpp's, which sums 16 lanes
 // and then reduces them).
 //
-// LoRA on a tail of the rows (the gated adapter's [MASK] rows): lora_a and lora_b are packed the same way
-// (lora_b may stay float16, widened exactly at each step, which halves its stream next to every weight); the tail
-// rows' codes z = x @ lora_aᵀ come first, then each tail row's accumulators continue with z @ lora_bᵀ after its
-// K terms.
+// LoRA on a tail of the rows (the gated adapter's [MASK] rows): lora_a and lora_b are packed the same way (either
+// may stay float16, widened exactly at each step, which halves its stream next to every weight); the tail rows'
+// codes z = x @ lora_aᵀ come first, then each tail row's accumulators continue with z @ lora_bᵀ after its K terms.
+//
+// packed_row_linear_bf16_tail (the AVX-512 BF16 build) takes the tail rows in bfloat16 instead: they are drafts,
+// which verification never trusts, and vdpbf16ps does two of their products per instruction (see mixed_tile).
 
 #ifdef __AVX512F__
 
