@@ -468,8 +468,8 @@ def _give_half_factors(module: nn.Module) -> None:
     factors, streamed next to every weight, cost about 4.5% of a decode pass on SmolLM2 in float32 (rank 16).
     The kernel widens each one exactly, so products and drafts keep their bits."""
     module.__dict__.pop("kernel_factors", None)
-    a, b = getattr(module, "lora_a", None), getattr(module, "lora_b", None)
-    if not isinstance(a, torch.Tensor) or module.__dict__.get("plan_dtype") != torch.float32 or \
+    a, b = _factors(module)
+    if a is None or module.__dict__.get("plan_dtype") != torch.float32 or \
             module.__dict__.get("few_row_op") is None or a.dtype != torch.float32 or not kernel_takes_half_factors():
         return
     half_a, half_b = a.half(), b.half()

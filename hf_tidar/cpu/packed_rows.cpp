@@ -261,23 +261,37 @@ Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, 
   return p;
 }
 
+// Calls f with the packed lora_b's data as its own type (float16 or float32; a null float pointer without LoRA).
+template <class F>
+void with_lora_b(const Prepared& p, const std::optional<at::Tensor>& lora_b, F&& f) {
+  if (p.R && lora_b->scalar_type() == at::kHalf)
+    f(lora_b->data_ptr<c10::Half>());
+  else
+    f(p.R ? lora_b->data_ptr<float>() : static_cast<const float*>(nullptr));
+}
+
+template <class T>
+using Element = std::remove_const_t<std::remove_pointer_t<T>>;
+
+// The float32 product of a prepared call (every row float32).
+at::Tensor float32_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Prepared& p,
+                        const std::optional<at::Tensor>& lora_b) {
+  at::Tensor y = at::empty({p.M, N}, x.options());
+  if (p.M == 0) return y;
+  const float* codes = p.z.empty() ? nullptr : p.z.data();
+  with_lora_b(p, lora_b, [&](const auto* b) {
+    run_product(Product<Element<decltype(b)>>{x.data_ptr<float>(), p.M, p.K, packed.data_ptr<float>(), N, p.bias,
+                                              codes, b, p.R, p.tail, y.data_ptr<float>()}, p.blocks);
+  });
+  return y;
+}
+
 // y = x @ wᵀ (+ bias) from w packed by pack_columns; rows from tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ,
 // with lora_a [R, K] and lora_b [N, R] (each float32 or float16: its stream halved) packed the same way.
 at::Tensor packed_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
                              const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
-  const Prepared p = prepare("packed_row_linear", x, packed, N, bias, lora_a, lora_b, tail_start);
-  at::Tensor y = at::empty({p.M, N}, x.options());
-  if (p.M == 0) return y;
-  const float* x_data = x.data_ptr<float>();
-  const float* codes = p.z.empty() ? nullptr : p.z.data();
-  if (p.R && lora_b->scalar_type() == at::kHalf)
-    run_product(Product<c10::Half>{x_data, p.M, p.K, packed.data_ptr<float>(), N, p.bias, codes,
-                                   lora_b->data_ptr<c10::Half>(), p.R, p.tail, y.data_ptr<float>()}, p.blocks);
-  else
-    run_product(Product<float>{x_data, p.M, p.K, packed.data_ptr<float>(), N, p.bias, codes,
-                               p.R ? lora_b->data_ptr<float>() : nullptr, p.R, p.tail, y.data_ptr<float>()}, p.blocks);
-  return y;
+  return float32_rows(x, packed, N, prepare("packed_row_linear", x, packed, N, bias, lora_a, lora_b, tail_start), lora_b);
 }
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -357,54 +371,37 @@ struct DraftRows {
   float* y;  // [T, N]
 };
 
-template <int MR, class B>
-void bf16_row_tile(const DraftRows<B>& p, int64_t m, int64_t first_block, int64_t last_block) {
-  constexpr int NV = bf16_columns_for<MR>();
-  const float* codes = p.z ? p.z + m * p.R : nullptr;
-  for (int64_t blk = first_block; blk < last_block;) {
-    const int64_t n = blk * kLanes;
-    const B* b = codes ? p.b + blk * p.R * kLanes : nullptr;
-    const float* bias = p.bias ? p.bias + n : nullptr;
-    const float* w = p.w + blk * p.K * kLanes;
-    if (last_block - blk >= NV) {
-      mixed_tile<0, MR, NV>(nullptr, 0, p.xp + m * p.ldp, p.ldp, p.x + m * p.K, p.K, w, p.K * kLanes, codes, p.R, b,
-                            bias, p.y + m * p.N + n, p.N, p.N - n);
-      blk += NV;
-    } else {
-      mixed_tile<0, MR, 1>(nullptr, 0, p.xp + m * p.ldp, p.ldp, p.x + m * p.K, p.K, w, p.K * kLanes, codes, p.R, b,
-                           bias, p.y + m * p.N + n, p.N, p.N - n);
-      blk += 1;
-    }
-  }
-}
-
-// Draft rows [from, to) of `p` against column blocks [b0, b1).
-template <class B>
-void bf16_rows_times_blocks(const DraftRows<B>& p, int64_t from, int64_t to, int64_t b0, int64_t b1) {
-  near_equal_tiles(from, to, [&](int64_t m, auto height) { bf16_row_tile<decltype(height)::value>(p, m, b0, b1); });
-}
-
-// The first MC clean rows and the first MT draft rows against column blocks [first_block, last_block).
+// Draft rows m..m+MT-1 of `d`, after the MC clean rows of `clean_x` (MC > 0 only with m = 0: the clean rows are the
+// rows right before the drafts), against column blocks [first_block, last_block), NV at a time.
 template <int MC, int MT, class B>
-void mixed_row_tile(const Product<B>& clean, const DraftRows<B>& drafts, int64_t first_block, int64_t last_block) {
-  constexpr int NV = columns_for<MC + MT>();
-  const int64_t K = clean.K, N = clean.N;
+void mixed_row_tile(const float* clean_x, const DraftRows<B>& d, int64_t m, int64_t first_block, int64_t last_block) {
+  constexpr int NV = MC ? columns_for<MC + MT>() : bf16_columns_for<MT>();
+  const int64_t K = d.K, N = d.N;
+  const float* codes = d.z ? d.z + m * d.R : nullptr;
+  float* y = d.y + (m - MC) * N;  // rows are contiguous in y: the clean rows' outputs, then the draft rows'
   for (int64_t blk = first_block; blk < last_block;) {
     const int64_t n = blk * kLanes;
-    const float* w = clean.w + blk * K * kLanes;
-    const B* b = drafts.z ? drafts.b + blk * drafts.R * kLanes : nullptr;
-    const float* bias = clean.bias ? clean.bias + n : nullptr;
-    // Rows are contiguous in y: the clean rows' outputs, then the draft rows'.
+    const float* w = d.w + blk * K * kLanes;
+    const B* b = codes ? d.b + blk * d.R * kLanes : nullptr;
+    const float* bias = d.bias ? d.bias + n : nullptr;
     if (last_block - blk >= NV) {
-      mixed_tile<MC, MT, NV>(clean.x, K, drafts.xp, drafts.ldp, drafts.x, K, w, K * kLanes, drafts.z, drafts.R, b,
-                             bias, clean.y + n, N, N - n);
+      mixed_tile<MC, MT, NV>(clean_x, K, d.xp + m * d.ldp, d.ldp, d.x + m * K, K, w, K * kLanes, codes, d.R, b, bias,
+                             y + n, N, N - n);
       blk += NV;
     } else {
-      mixed_tile<MC, MT, 1>(clean.x, K, drafts.xp, drafts.ldp, drafts.x, K, w, K * kLanes, drafts.z, drafts.R, b,
-                            bias, clean.y + n, N, N - n);
+      mixed_tile<MC, MT, 1>(clean_x, K, d.xp + m * d.ldp, d.ldp, d.x + m * K, K, w, K * kLanes, codes, d.R, b, bias,
+                            y + n, N, N - n);
       blk += 1;
     }
   }
+}
+
+// Draft rows [from, to) of `d` against column blocks [b0, b1).
+template <class B>
+void bf16_rows_times_blocks(const DraftRows<B>& d, int64_t from, int64_t to, int64_t b0, int64_t b1) {
+  near_equal_tiles(from, to, [&](int64_t m, auto height) {
+    mixed_row_tile<0, decltype(height)::value>(nullptr, d, m, b0, b1);
+  });
 }
 
 constexpr int kMaxMixedClean = 4;  // clean rows a mixed tile takes (a pass verifies k of them: k <= 4 here)
@@ -413,7 +410,7 @@ constexpr int kMaxMixedClean = 4;  // clean rows a mixed tile takes (a pass veri
 template <int MC, int MR, class B>
 void mixed_row_tile_of(int64_t height, const Product<B>& clean, const DraftRows<B>& drafts, int64_t b0, int64_t b1) {
   if constexpr (MR > MC) {
-    if (height == MR) return mixed_row_tile<MC, MR - MC>(clean, drafts, b0, b1);
+    if (height == MR) return mixed_row_tile<MC, MR - MC>(clean.x, drafts, 0, b0, b1);
     mixed_row_tile_of<MC, MR - 1>(height, clean, drafts, b0, b1);
   }
 }
@@ -479,24 +476,20 @@ at::Tensor packed_row_linear_bf16_tail(const at::Tensor& x, const at::Tensor& pa
                                        const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
                                        const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
   const Prepared p = prepare("packed_row_linear_bf16_tail", x, packed, N, bias, lora_a, lora_b, tail_start);
-  if (p.tail == p.M) return packed_row_linear(x, packed, N, bias, lora_a, lora_b, tail_start);
+  if (p.tail == p.M) return float32_rows(x, packed, N, p, lora_b);
   at::Tensor y = at::empty({p.M, N}, x.options());
   const float* x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   const std::vector<uint32_t> pairs = bfloat16_pairs(x_data + p.tail * p.K, p.M - p.tail, p.K);
   const float* codes = p.z.empty() ? nullptr : p.z.data();
   const float* w = packed.data_ptr<float>();
-  auto run = [&](const auto* b) {
-    using B = std::remove_const_t<std::remove_pointer_t<decltype(b)>>;
+  with_lora_b(p, lora_b, [&](const auto* b) {
+    using B = Element<decltype(b)>;
     const Product<B> clean{x_data, p.tail, p.K, w, N, p.bias, nullptr, nullptr, 0, p.tail, y_data};
     const DraftRows<B> drafts{pairs.data(), (p.K + 1) / 2, x_data + p.tail * p.K, p.M - p.tail, p.K, w, N, p.bias,
                               codes, b, p.R, y_data + p.tail * N};
     mixed_product(clean, drafts, p.blocks);
-  };
-  if (p.R && lora_b->scalar_type() == at::kHalf)
-    run(lora_b->data_ptr<c10::Half>());
-  else
-    run(p.R ? lora_b->data_ptr<float>() : static_cast<const float*>(nullptr));
+  });
   return y;
 }
 #endif  // bfloat16
