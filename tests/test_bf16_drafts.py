@@ -108,6 +108,8 @@ def test_a_plain_forward_finds_its_tail_and_a_mask_before_it_keeps_float32(packe
     cpu.enable(model, draft_dtype=torch.bfloat16, packed=packed)
     least = measured.bf16_draft_min_rows(model)
     assert least == (measured.PACKED_BF16_DRAFT_MIN_ROWS if packed else measured.BF16_DRAFT_MIN_ROWS)
+    # A linear with a draft operator takes the full path (its tail check), not the kernel linears' short one.
+    assert not any("exact_op" in m.__dict__ for m in model.modules() if m.__dict__.get("draft_op") is not None)
     mask = model.config.mask_token_id
     with torch.no_grad():
         tail = torch.tensor([[1, 2, 3, 4] + [mask] * least])

@@ -244,3 +244,25 @@ def test_where_the_kernel_takes_the_dtype_it_takes_every_row_count_unmeasured(dt
     assert not list(tmp_path.rglob("*.json"))  # nothing to measure: the kernel is the plan
     plans = [m.choices for m in model.modules() if isinstance(m, MeasuredLinear)]
     assert plans and all(plan == measured.exact_choices() for plan in plans)
+
+
+@needs_kernel
+def test_the_kernel_linears_short_path_gives_the_full_paths_bits_and_steps_aside_where_it_must():
+    model = tiny_ar_model(vocab_size=40).float()
+    cpu.enable(model)
+    linears = [m for m in model.modules() if isinstance(m, MeasuredLinear)]
+    assert linears and all(m.__dict__.get("exact_op") is not None for m in linears)
+    layer = model.model.layers[0].mlp.up_proj
+    x = torch.randn(1, 5, layer.in_features)
+    with torch.no_grad():
+        short = layer(x)
+        op = layer.__dict__.pop("exact_op")
+        assert torch.equal(short, layer(x))  # the full path's checks, the same operator call
+        layer.exact_op = op
+        long = torch.randn(1, measured.MAX_ROWS + 1, layer.in_features)
+        torch.testing.assert_close(layer(long), F.linear(long, layer.weight))  # beyond the plan: F.linear
+    x.requires_grad_(True)
+    layer(x).sum().backward()  # autograd records: F.linear
+    assert x.grad is not None
+    cpu.disable(model)
+    assert not any("exact_op" in m.__dict__ for m in model.modules())

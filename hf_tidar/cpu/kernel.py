@@ -25,9 +25,9 @@ from ..assets import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("few_rows.cpp", "packed_rows.cpp", "row_attention.cpp", "best_two.cpp"))
-"""The operator library's sources: the few-row matmul, its column-packed variant, the row-invariant attention and
-each row's best two tokens."""
+                for name in ("few_rows.cpp", "packed_rows.cpp", "row_attention.cpp", "best_two.cpp", "rms_norm.cpp"))
+"""The operator library's sources: the few-row matmul, its column-packed variant, the row-invariant attention,
+each row's best two tokens and Llama's RMSNorm over a step's rows."""
 
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     # name: (the CPU flags it needs, as /proc/cpuinfo spells them; the compiler flags that build it)

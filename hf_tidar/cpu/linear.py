@@ -44,6 +44,7 @@ from .kernel import (
     packed_bf16_tail_kernel,
     packed_row_kernel,
 )
+from .norm import disable_norms, enable_norms
 from .packed import ColumnPackedProduct, PackedCopy
 
 logger = logging.getLogger(__name__)
@@ -255,6 +256,14 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     step, so it checks only what can differ between calls.
     """
     state = module.__dict__
+    exact = state.get("exact_op")
+    if exact is not None and not torch.is_grad_enabled() and x.is_cpu:  # the usual decode step, checked first
+        params = state["_parameters"]
+        weight, features = params.get("weight"), x.shape[-1]
+        rows = x.numel() // features if features else 0
+        if weight is not None and 0 < rows <= MAX_ROWS and x.dtype == weight.dtype == state["plan_dtype"]:
+            return exact(_flat_rows(x, rows), weight, params["bias"], None, None, rows).view(
+                *x.shape[:-1], module.out_features)
     weight, bias = _weight_and_bias(module)
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
@@ -372,6 +381,10 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     may differ from float32 ones by rounding. Where it cannot run (another CPU or dtype) a warning says so
     and drafts stay in the weights' dtype.
 
+    Llama-style RMSNorms (Llama's, Qwen's, Mistral's) of a step's few rows run on one operator of the same library
+    (:mod:`hf_tidar.cpu.norm`: transformers' seven small operators cost 14-18 µs a call, the operator about 3); its
+    values equal transformers' up to the last bit of the sum of squares' order.
+
     ``packed``: on the AVX-512 builds, float32 weights are multiplied from a copy packed by columns
     (:mod:`hf_tidar.cpu.packed`), which makes one-row steps and many-row passes cheaper; the copy takes the weights'
     memory once more. By default (``None``) they are packed unless the environment sets ``HF_TIDAR_CPU_PACKED=0``
@@ -406,7 +419,21 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
         packed = os.environ.get("HF_TIDAR_CPU_PACKED", "1") != "0"
     if packed:
         _pack_columns(model, check_memory)
+    _give_exact_ops(model)
+    enable_norms(model)
     return model
+
+
+def _give_exact_ops(model: nn.Module) -> None:
+    """The linears whose every row count goes to the kernel (and none to a bfloat16 draft operator) get it as
+    ``exact_op``: :func:`linear_forward` then checks only what a call can change (autograd, device, dtype, rows)."""
+    exact = exact_choices()
+    for module in model.modules():
+        state = module.__dict__
+        state.pop("exact_op", None)
+        if isinstance(module, nn.Linear) and state.get("choices") == exact and state.get("draft_op") is None \
+                and state.get("few_row_op") is not None:
+            module.exact_op = state["few_row_op"]
 
 
 PACKED_MEMORY_SHARE = 0.5
@@ -528,14 +555,15 @@ def _use_row_attention(model: nn.Module, dtypes: set[torch.dtype]) -> None:
 
 
 def disable(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable`: every :class:`MeasuredLinear` becomes a plain ``nn.Linear`` again, and the model's
-    attention backend is the one it had before."""
+    """Undo :func:`enable`: every :class:`MeasuredLinear` becomes a plain ``nn.Linear`` again, every RMSNorm its
+    own class, and the model's attention backend is the one it had before."""
     for module in model.modules():
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear
         for name in ("choices", "few_row_op", "plan_dtype", "_packed", "draft_op", "draft_tail",
-                     "draft_factors", "draft_min_rows", "kernel_factors"):
+                     "draft_factors", "draft_min_rows", "kernel_factors", "exact_op"):
             module.__dict__.pop(name, None)
+    disable_norms(model)
     before = model.__dict__.pop("_hf_tidar_attention_before", None)
     if before is not None:
         model.set_attn_implementation(before)
