@@ -185,3 +185,26 @@ def test_weights_stay_unpacked_with_a_warning_where_memory_is_short_unless_packi
     assert measured.is_packed(cpu.enable(model, packed=True))  # asked for: packed regardless
     monkeypatch.setattr(measured, "available_memory", lambda: None)  # unknown: packed
     assert measured.is_packed(cpu.enable(model))
+
+
+@needs_packed
+def test_prefills_take_the_packed_product_up_to_its_row_limit(monkeypatch):
+    model = tiny_ar_model(vocab_size=40).float()
+    cpu.enable(model)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.exact_rows == measured.PACKED_MAX_ROWS
+    calls = []
+    product = layer.exact_op
+    monkeypatch.setattr(layer, "exact_op", lambda x, *args: calls.append(x.shape[0]) or product(x, *args))
+    x = torch.randn(1, 100, layer.in_features)
+    with torch.no_grad():
+        prompt = layer(x)  # a 100-token prefill's rows
+        torch.testing.assert_close(prompt, _reference(x[0], layer.weight)[None], rtol=1e-5, atol=1e-5)
+        assert torch.equal(prompt[:, 37:38], layer(x[:, 37:38]))  # a row's bits, prefill or decode step
+        monkeypatch.setattr(measured, "MAX_ROWS", 8)  # the plans' limit is not the packed product's
+        layer(x)
+        long = torch.randn(measured.PACKED_MAX_ROWS + 1, layer.in_features)
+        torch.testing.assert_close(layer(long), F.linear(long, layer.weight))  # beyond its limit: F.linear
+    assert calls == [100, 1, 100]
+    cpu.enable(model, packed=False)
+    assert model.model.layers[0].mlp.down_proj.exact_rows == measured.MAX_ROWS
