@@ -6,9 +6,10 @@ import torch
 from toy import tiny_ar_model, train_counting_tidar
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from hf_tidar import cpu
+from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.cpu import norm as measured_norm
 from hf_tidar.cpu.norm import rms_norm_kernel
+from hf_tidar.tiny import TINY_BACKBONES
 
 kernel = rms_norm_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU operator library needs an x86 CPU and a compiler")
@@ -94,3 +95,16 @@ def test_greedy_tidar_with_the_norm_operator_equals_ar_in_float32(monkeypatch):
         out = model.generate(prompts, strategy="tidar", draft_length=3, return_dict_in_generate=True, **settings)
     assert calls and torch.equal(out.sequences, ar)
     assert out.sequences.shape[1] - prompts.shape[1] > int(out.forward_passes[0]) + 1  # drafts were accepted
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_BACKBONES))
+def test_every_backbones_norms_take_the_operator_and_tidar_stays_ar(model_type):
+    model = TidarForCausalLM.from_ar(tiny_ar_model(model_type, vocab_size=40).float(), block_size=4).eval()
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    cpu.enable(model)
+    assert norms and all(type(m).__name__.startswith("Measured") for m in norms)  # Qwen3's q/k norms too
+    prompts = torch.tensor([[3, 4, 5, 6, 7]])
+    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompts, strategy="tidar", draft_length=3, **settings),
+                           model.generate(prompts, **settings))
