@@ -220,6 +220,16 @@ def best_two_kernel() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tens
     return None if library is None else library.row_best_two
 
 
+def rms_norm_kernel() -> Callable[..., torch.Tensor] | None:
+    """``rms_norm_rows(x [..., D], weight [D], eps) -> y`` (``rms_norm.cpp``): Llama's RMSNorm over each row of a
+    contiguous float32 or bfloat16 ``x``; ``None`` where the library cannot run here."""
+    isa = kernel_isa()
+    if _unavailable_reason(isa) is not None:
+        return None
+    library = built_library(isa)
+    return None if library is None else library.rms_norm_rows
+
+
 def built_kernel(isa: str) -> Callable[..., torch.Tensor] | None:
     """The ``isa`` build's few-row matmul operator (``None`` where the build fails)."""
     library = built_library(isa)

@@ -3,7 +3,7 @@
 transformers' ``LlamaRMSNorm`` (and Qwen's, Mistral's: the same code) runs seven small operators a call, 14-18 µs
 on a 2-core CPU whatever the row count, 2k + 1 calls a step for k layers. :func:`enable_norms` swaps each such module's
 class for a subclass whose forward calls the kernel library's ``rms_norm_rows`` (about 3 µs) for up to
-:data:`~hf_tidar.cpu.linear.MAX_ROWS` rows outside autograd, and the module's own forward otherwise (prefills,
+:data:`MAX_NORM_ROWS` rows outside autograd, and the module's own forward otherwise (prefills,
 training). Weights and state dict stay; :func:`disable_norms` swaps the classes back.
 """
 
@@ -14,7 +14,7 @@ import functools
 import torch
 from torch import nn
 
-from .kernel import _unavailable_reason, built_library, kernel_isa
+from .kernel import rms_norm_kernel
 
 NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm",
                 "Qwen2MoeRMSNorm")
@@ -23,15 +23,6 @@ does (Gemma's, with ``1 + weight``, is not one of them)."""
 
 MAX_NORM_ROWS = 32
 """Largest row count the operator takes: decode steps and passes (a prefill keeps transformers' forward)."""
-
-
-def rms_norm_kernel():
-    """The kernel library's ``rms_norm_rows(x, weight, eps)``, or ``None`` where the library does not build here."""
-    isa = kernel_isa()
-    if _unavailable_reason(isa) is not None:
-        return None
-    library = built_library(isa)
-    return None if library is None else library.rms_norm_rows
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
