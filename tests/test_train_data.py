@@ -11,8 +11,10 @@ from toy import tiny_ar_model
 from hf_tidar.training.corpus import check_block_alignment, is_held_out, load_corpus, packed_dataset
 from hf_tidar.training.data import byte_level_tokenizer
 from hf_tidar.training.distill import (
+    Sampling,
     chat_prompts,
     code_prompts,
+    continuations_topk,
     distill,
     encode_prompts,
     greedy_continuations,
@@ -159,6 +161,73 @@ def test_distillation_keeps_the_top_k_distribution_of_every_target(tmp_path, cor
     assert data["input_ids"][3] == prompts[3] + found[3].tokens
     with pytest.raises(ValueError, match="other prompts"):  # top-k or not is part of a run's identity
         distill(model, tokenizer, prompts, tmp_path / "soft", max_new_tokens=5, shard_size=2, progress=False)
+
+
+def test_sampled_continuations_are_draws_with_the_models_own_top_k(tmp_path, corpus_dir):
+    tokenizer = byte_level_tokenizer()
+    model = tiny_ar_model("llama", vocab_size=len(tokenizer))
+    docs = load_corpus([str(corpus_dir / "pkg")], held_out_fraction=0.0).train
+    prompts = encode_prompts(tokenizer, code_prompts(docs, 4, max_lines=3, seed=3), chat=[])
+    pad = tokenizer.pad_token_id
+    sampling = Sampling(temperature=3.0)
+    state = torch.random.get_rng_state()
+    found = continuations_topk(model, prompts, 8, pad, None, top_k=8, sampling=sampling, seed=5)
+    assert torch.equal(torch.random.get_rng_state(), state)  # the caller's random state is left alone
+    assert [c.tokens for c in continuations_topk(model, prompts, 8, pad, None, 8, sampling, seed=5)] == \
+        [c.tokens for c in found]  # seeded: the same draws again
+    assert [c.tokens for c in continuations_topk(model, prompts, 8, pad, None, 8, sampling, seed=6)] != \
+        [c.tokens for c in found]
+    greedy = greedy_continuations(model, prompts, 8, pad, None)
+    assert [c.tokens for c in found] != greedy
+    not_top1 = 0
+    for prompt, cont in zip(prompts, found, strict=True):
+        # the stored distribution is the model's own (before temperature) after the sampled prefix
+        logits = model(torch.tensor([prompt + cont.tokens])).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).topk(8, -1)
+        assert torch.allclose(torch.tensor(np.array(cont.topk_logprobs)).float(), expected.values, atol=2e-2)
+        not_top1 += sum(ids[0] != token for ids, token in zip(cont.topk_ids, cont.tokens, strict=True))
+    assert not_top1 > 0  # really sampled, not the argmax
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        Sampling(temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampling(top_p=1.5)
+
+
+def test_sampled_distillation_resumes_with_the_same_draws(tmp_path, corpus_dir):
+    import shutil
+
+    tokenizer = byte_level_tokenizer()
+    model = tiny_ar_model("llama", vocab_size=len(tokenizer))
+    docs = load_corpus([str(corpus_dir / "pkg")], held_out_fraction=0.0).train
+    prompts = encode_prompts(tokenizer, code_prompts(docs, 6, max_lines=3, seed=4), chat=[])
+    sampling = Sampling(temperature=2.0, top_p=0.9, seed=7)
+    data = distill(model, tokenizer, prompts, tmp_path / "s", max_new_tokens=6, batch_size=2, shard_size=4,
+                   progress=False, sampling=sampling)
+    assert data["input_ids"] != distill(model, tokenizer, prompts, tmp_path / "g", max_new_tokens=6, batch_size=2,
+                                        shard_size=4, progress=False)["input_ids"]
+    assert json.loads((tmp_path / "s" / "manifest.json").read_text())["sampling"] == \
+        {"temperature": 2.0, "top_p": 0.9, "seed": 7}
+    shutil.rmtree(tmp_path / "s" / "shards" / "00001")  # as if interrupted during the second shard
+    shutil.rmtree(tmp_path / "s" / "dataset")
+    again = distill(model, tokenizer, prompts, tmp_path / "s", max_new_tokens=6, batch_size=2, shard_size=4,
+                    progress=False, sampling=sampling)
+    assert again["input_ids"] == data["input_ids"]  # the missing shard drew what it drew the first time
+    with pytest.raises(ValueError, match="other prompts"):  # greedy or sampled (and how) is part of a run's identity
+        distill(model, tokenizer, prompts, tmp_path / "s", max_new_tokens=6, batch_size=2, shard_size=4,
+                progress=False, sampling=Sampling(temperature=2.0, top_p=0.9, seed=8))
+    with pytest.raises(ValueError, match="other prompts"):
+        distill(model, tokenizer, prompts, tmp_path / "s", max_new_tokens=6, batch_size=2, shard_size=4, progress=False)
+
+
+def test_distill_command_refuses_sampling_flags_without_do_sample(tmp_path, capsys):
+    from hf_tidar.cli import main
+    from hf_tidar.exit_codes import EXIT_ERROR
+
+    assert main(["distill", "--output", str(tmp_path / "x"), "--temperature", "0.7"]) == EXIT_ERROR
+    assert "add --do-sample" in capsys.readouterr().err
+    assert main(["distill", "--output", str(tmp_path / "x"), "--do-sample", "--temperature", "0"]) == EXIT_ERROR
+    assert "temperature must be > 0" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()  # refused before anything was loaded or written
 
 
 def test_instruction_prompts_name_a_function_and_its_docstring():

@@ -1,10 +1,10 @@
-"""``hf-tidar distill``: self-distillation data, the base model's own greedy continuations."""
+"""``hf-tidar distill``: self-distillation data, the base model's own continuations (greedy, or sampled)."""
 
 from __future__ import annotations
 
 import argparse
 
-HELP = "self-distillation data: the base model's own greedy continuations"
+HELP = "self-distillation data: the base model's own continuations (greedy, or sampled with --do-sample)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -6,6 +6,10 @@ prompts are written as one shard, so an interrupted run resumes where it stopped
 ``datasets`` dataset with ``input_ids`` (prompt + continuation) and ``labels`` (``-100`` on the
 prompt: the drafts learn the continuation only), read by ``hf-tidar train --distilled``.
 
+With ``sampling`` (``--do-sample --temperature T --top-p P``) the continuations are sampled instead: the
+contexts a *sampling* TiDAR decode drafts in. (Drafts never condition on drafts, so the contexts of a decode
+are the base model's own outputs: greedy data is on-policy for greedy decoding, sampled data for sampling.)
+
 With ``top_k > 0`` (``--top-k 32``) every row also keeps the base model's next-token distribution at
 each continuation position: ``topk_ids`` (int32) and ``topk_logprobs`` (fp16 log-softmax over the
 whole vocabulary), one list of ``k`` per continuation token. They are the soft targets of
@@ -127,17 +131,44 @@ def encode_prompts(tokenizer, code: Sequence[str], chat: Sequence[str], max_prom
 # -- generation -----------------------------------------------------------------------------------
 
 
-def _fingerprint(prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 0) -> str:
+@dataclass(frozen=True)
+class Sampling:
+    """How :func:`distill` samples its continuations (``None`` there: greedy).
+
+    ``seed`` seeds each batch's draws (with the batch's place in the prompt list), so a run interrupted and
+    resumed writes the rows it would have written at once, on the same machine and torch version.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"the sampling temperature must be > 0, got {self.temperature}; for greedy "
+                             "continuations leave sampling off (no --do-sample).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+
+    def generate_kwargs(self) -> dict:
+        """``generate``'s sampling arguments."""
+        return {"do_sample": True, "temperature": self.temperature, "top_p": self.top_p, "top_k": 0}
+
+
+def _fingerprint(prompts: Sequence[Sequence[int]], max_new_tokens: int, top_k: int = 0,
+                 sampling: Sampling | None = None) -> str:
     digest = hashlib.sha1(json.dumps([list(map(int, p)) for p in prompts]).encode())
     digest.update(str(max_new_tokens).encode())
     if top_k:  # runs without soft targets keep their old fingerprint (and stay resumable)
         digest.update(f"top_k={top_k}".encode())
+    if sampling is not None:  # so do greedy runs
+        digest.update(f"sampling={sampling.temperature},{sampling.top_p},{sampling.seed}".encode())
     return digest.hexdigest()
 
 
 @dataclass
 class Continuation:
-    """One greedy continuation, with the model's top-k next-token distribution at each of its tokens.
+    """One continuation (greedy or sampled), with the model's top-k next-token distribution at each of its tokens.
 
     ``topk_ids[j]`` / ``topk_logprobs[j]`` (``k`` each, most likely first) describe the distribution
     the model drew ``tokens[j]`` from; empty lists when no top-k was asked for.
@@ -159,11 +190,24 @@ def greedy_continuations(model, prompts: Sequence[Sequence[int]], max_new_tokens
 def greedy_continuations_topk(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int,
                               eos_token_id: int | None, top_k: int = 0) -> list[Continuation]:
     """Greedy continuations of a batch of prompts and, with ``top_k``, the top-k log-probabilities per token."""
+    return continuations_topk(model, prompts, max_new_tokens, pad_token_id, eos_token_id, top_k)
+
+
+@torch.no_grad()
+def continuations_topk(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_token_id: int,
+                       eos_token_id: int | None, top_k: int = 0, sampling: Sampling | None = None,
+                       seed: int = 0) -> list[Continuation]:
+    """Continuations of a batch of prompts (greedy, or drawn as ``sampling`` says with torch seeded by ``seed``,
+    the caller's random state left as it was) and, with ``top_k``, the model's top-k log-probabilities per token
+    (its own distribution, before temperature or top-p)."""
     input_ids, attention_mask = left_pad(prompts, pad_token_id, next(model.parameters()).device)
     width = input_ids.shape[1]
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
-                         return_dict_in_generate=True, output_logits=top_k > 0)
+    options = sampling.generate_kwargs() if sampling is not None else {"do_sample": False}
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                             pad_token_id=pad_token_id, return_dict_in_generate=True, output_logits=top_k > 0,
+                             **options)
     ids, logprobs = _topk_per_step(out.logits, top_k) if top_k else (None, None)
     continuations = []
     for row_index, row in enumerate(out.sequences[:, width:].tolist()):
@@ -198,8 +242,10 @@ def distilled_features(top_k: int) -> Features:
 
 
 def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str | Path, max_new_tokens: int = 64,
-            batch_size: int = 16, shard_size: int = 256, progress: bool = True, top_k: int = 0) -> Dataset:
-    """Generate (or resume generating) greedy continuations and save them as a dataset in ``output_dir``.
+            batch_size: int = 16, shard_size: int = 256, progress: bool = True, top_k: int = 0,
+            sampling: Sampling | None = None) -> Dataset:
+    """Generate (or resume generating) continuations (greedy; sampled with ``sampling``) and save them as a
+    dataset in ``output_dir``.
 
     Rows: ``input_ids`` = prompt + continuation, ``labels`` = ``-100`` on the prompt, then the continuation;
     with ``top_k``, also ``topk_ids`` / ``topk_logprobs`` (one list of ``top_k`` per continuation token).
@@ -209,19 +255,20 @@ def distill(model, tokenizer, prompts: Sequence[Sequence[int]], output_dir: str 
     """
     output = Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    fingerprint = _fingerprint(prompts, max_new_tokens, top_k)
+    fingerprint = _fingerprint(prompts, max_new_tokens, top_k, sampling)
     manifest = output / MANIFEST
     if manifest.exists() and json.loads(manifest.read_text())["fingerprint"] != fingerprint:
         raise ValueError(f"{output} holds a distillation run over other prompts/settings; use a new --output.")
     manifest.write_text(json.dumps({"fingerprint": fingerprint, "prompts": len(prompts),
                                     "max_new_tokens": max_new_tokens, "top_k": top_k,
-                                    "shard_size": shard_size}) + "\n")
+                                    "shard_size": shard_size,
+                                    "sampling": None if sampling is None else vars(sampling)}) + "\n")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     writer = ShardedDatasetWriter(output / "shards", distilled_features(top_k))
     shards = writer.write(
         len(prompts), shard_size,
-        lambda start, stop: _shard_rows(model, prompts[start:stop], max_new_tokens, batch_size, pad,
-                                        tokenizer.eos_token_id, top_k),
+        lambda start, stop: _shard_rows(model, prompts, start, stop, max_new_tokens, batch_size, pad,
+                                        tokenizer.eos_token_id, top_k, sampling),
         on_saved=_report_shard if progress else None,
     )
     dataset = concatenate_datasets([load_from_disk(str(shard)) for shard in shards])
@@ -233,16 +280,21 @@ def _report_shard(number: int, shards: int) -> None:
     print(f"distill: shard {number + 1}/{shards} done", flush=True)
 
 
-def _shard_rows(model, chunk: Sequence[Sequence[int]], max_new_tokens: int, batch_size: int, pad: int,
-                eos: int | None, top_k: int) -> dict[str, list]:
-    """The columns of one shard: its prompts' continuations, generated ``batch_size`` at a time."""
+def _shard_rows(model, prompts: Sequence[Sequence[int]], start: int, stop: int, max_new_tokens: int,
+                batch_size: int, pad: int, eos: int | None, top_k: int, sampling: Sampling | None) -> dict[str, list]:
+    """The columns of one shard, prompts ``start:stop``: their continuations, generated ``batch_size`` at a time
+    (a sampled batch seeded by the sampling seed and its first prompt's index: the same draws when resumed)."""
     rows: dict[str, list] = {"input_ids": [], "labels": []}
     if top_k:
         rows.update({name: [] for name in TOPK_COLUMNS})
-    for offset in range(0, len(chunk), batch_size):
-        batch = chunk[offset : offset + batch_size]
-        for prompt, found in zip(batch, greedy_continuations_topk(model, batch, max_new_tokens, pad, eos, top_k),
-                                 strict=True):
+    for offset in range(start, stop, batch_size):
+        batch = prompts[offset : min(offset + batch_size, stop)]
+        if sampling is None:
+            found_rows = greedy_continuations_topk(model, batch, max_new_tokens, pad, eos, top_k)
+        else:
+            found_rows = continuations_topk(model, batch, max_new_tokens, pad, eos, top_k, sampling,
+                                            seed=sampling.seed * 1_000_003 + offset)
+        for prompt, found in zip(batch, found_rows, strict=True):
             rows["input_ids"].append(list(prompt) + found.tokens)
             rows["labels"].append([IGNORE_INDEX] * len(prompt) + found.tokens)
             if top_k:
@@ -293,17 +345,34 @@ def add_distill_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentP
                         help="'Write a function `f(args)` that ...' requests from docstrings (chat template)")
     parser.add_argument("--self-instruct-prompts", type=int, default=0,
                         help="everyday questions the model writes itself about seed topics (sampled; chat template)")
-    parser.add_argument("--max-new-tokens", type=int, default=128, help="greedy tokens generated per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
     parser.add_argument("--max-prompt-tokens", type=int, default=96, help="prompts are cut to this many tokens")
     parser.add_argument("--batch-size", type=int, default=16, help="prompts generated together")
     parser.add_argument("--shard-size", type=int, default=256, help="prompts per shard (the unit of resuming)")
     parser.add_argument("--shuffle", action="store_true", help="shuffle the prompts (seeded) so every shard mixes all kinds")
+    parser.add_argument("--do-sample", action="store_true",
+                        help="sample the continuations (the contexts of a sampling decode) instead of greedy ones")
+    parser.add_argument("--temperature", type=float, default=None, help="with --do-sample (default 1.0)")
+    parser.add_argument("--top-p", type=float, default=None, help="with --do-sample (default 1.0: no nucleus cut)")
     parser.add_argument("--top-k", type=int, default=0,
                         help="keep the model's top-k next-token distribution per target token (soft targets; 32)")
     parser.add_argument("--held-out-fraction", type=float, default=DEFAULT_HELD_OUT_FRACTION, help="documents never used for prompts")
-    parser.add_argument("--seed", type=int, default=0, help="random seed of the prompt choice")
+    parser.add_argument("--seed", type=int, default=0, help="random seed of the prompt choice (and of the draws, "
+                        "with --do-sample)")
     parser.add_argument("--json", action="store_true", help="print a JSON summary at the end")
     return parser
+
+
+def sampling_from(args: argparse.Namespace) -> Sampling | None:
+    """The run's :class:`Sampling` (``None``: greedy); ``--temperature`` / ``--top-p`` without ``--do-sample``
+    is an error rather than a greedy run that looks sampled."""
+    temperature, top_p = getattr(args, "temperature", None), getattr(args, "top_p", None)
+    if not getattr(args, "do_sample", False):
+        if temperature is not None or top_p is not None:
+            raise ValueError("--temperature and --top-p apply to sampled continuations; add --do-sample (or drop "
+                             "them for greedy ones).")
+        return None
+    return Sampling(1.0 if temperature is None else temperature, 1.0 if top_p is None else top_p, args.seed)
 
 
 def run_distill(args: argparse.Namespace) -> int:
@@ -311,6 +380,7 @@ def run_distill(args: argparse.Namespace) -> int:
     from ..checkpoints import load_ar_model
     from .corpus import load_corpus
 
+    sampling = sampling_from(args)
     check_output_folder(args.output, sources=[args.model, *args.data], overwrite=getattr(args, "overwrite", False),
                         resuming=any((Path(args.output) / name).exists() for name in (MANIFEST, SELF_INSTRUCT_FILE)))
     model, tokenizer = load_ar_model(args.model)
@@ -328,7 +398,7 @@ def run_distill(args: argparse.Namespace) -> int:
         # the first shards, still sees every kind.
         random.Random(args.seed).shuffle(prompts)
     dataset = distill(model.eval(), tokenizer, prompts, args.output, args.max_new_tokens, args.batch_size,
-                      shard_size=args.shard_size, top_k=args.top_k)
+                      shard_size=args.shard_size, top_k=args.top_k, sampling=sampling)
     folder = Path(args.output) / "dataset"
     if getattr(args, "json", False):
         print(json.dumps({"rows": len(dataset), "dataset": str(folder), "skipped_files": corpus.skipped}))
@@ -358,7 +428,7 @@ def _self_instruct(model, tokenizer, args: argparse.Namespace) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m hf_tidar.training.distill``: self-distil SmolLM2 (or --model) on code + chat prompts."""
-    parser = argparse.ArgumentParser(description="Greedy self-distillation data for TiDAR drafts.")
+    parser = argparse.ArgumentParser(description="Self-distillation data for TiDAR drafts.")
     return run_distill(add_distill_arguments(parser).parse_args(argv))
 
 
