@@ -266,3 +266,25 @@ def test_the_kernel_linears_short_path_gives_the_full_paths_bits_and_steps_aside
     assert x.grad is not None
     cpu.disable(model)
     assert not any("exact_op" in m.__dict__ for m in model.modules())
+
+
+@pytest.mark.skipif(few_row_kernel(torch.bfloat16) is None, reason="the bfloat16 kernel needs AVX-512 BF16")
+def test_bfloat16_prefills_take_the_kernel_up_to_its_row_limit(monkeypatch):
+    model = tiny_ar_model(vocab_size=40).to(torch.bfloat16)
+    cpu.enable(model)
+    layer = model.model.layers[0].mlp.down_proj
+    assert layer.exact_rows == measured.BF16_MAX_ROWS > measured.MAX_ROWS
+    calls = []
+    product = layer.exact_op
+    monkeypatch.setattr(layer, "exact_op", lambda x, *args: calls.append(x.shape[0]) or product(x, *args))
+    x = torch.randn(1, 100, layer.in_features).to(torch.bfloat16)
+    with torch.no_grad():
+        prompt = layer(x)  # a 100-token prefill's rows
+        torch.testing.assert_close(prompt, F.linear(x, layer.weight), rtol=1e-2, atol=1e-2)
+        assert torch.equal(prompt[:, 37:38], layer(x[:, 37:38]))  # a row's bits, prefill or decode step
+        long = torch.randn(measured.BF16_MAX_ROWS + 1, layer.in_features).to(torch.bfloat16)
+        assert torch.equal(layer(long), F.linear(long, layer.weight))  # beyond its limit: F.linear
+    assert calls == [100, 1]
+    model.float()
+    cpu.enable(model, packed=False)  # float32 on the unpacked kernel keeps the plans' limit
+    assert model.model.layers[0].mlp.down_proj.exact_rows == measured.MAX_ROWS

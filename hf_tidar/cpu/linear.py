@@ -58,6 +58,12 @@ at any row count, where torch's matmul reaches it only at about a thousand rows.
 float32, 2-core Zen 4 EPYC (ms, the packed product against F.linear): 32 rows 37 against 82, 100 rows 104
 against 172, 256 rows 264 against 363, 1,024 rows 1,068 against 1,122."""
 
+BF16_MAX_ROWS = 128
+"""Largest row count the bfloat16 kernel (unpacked: bfloat16 weights are not packed) takes outside autograd, prompts
+included. Ahead of F.linear up to about 140 rows: SmolLM2's seven linear shapes once each, 30 times (a layer stack),
+2-core Zen 4 EPYC with AVX-512 BF16 (ms, the kernel against F.linear): 32 rows 22.0 against 29.7, 64 rows 41.8
+against 49.3, 100 rows 65.4 against 71.0, 128 rows 82.4 against 85.7, 160 rows 106.5 against 100.6."""
+
 def _onednn_available() -> bool:
     ops = ("_reorder_linear_weight", "_linear_pointwise")
     return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)
@@ -433,7 +439,8 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
 def _give_exact_ops(model: nn.Module) -> None:
     """The linears whose every row count goes to the kernel (and none to a bfloat16 draft operator) get it as
     ``exact_op``: :func:`linear_forward` then checks only what a call can change (autograd, device, dtype, rows).
-    On column-packed weights it takes up to :data:`PACKED_MAX_ROWS` rows (prefills too), else :data:`MAX_ROWS`."""
+    On column-packed weights it takes up to :data:`PACKED_MAX_ROWS` rows (prefills too), on bfloat16 weights up to
+    :data:`BF16_MAX_ROWS`, else :data:`MAX_ROWS`."""
     exact = exact_choices()
     for module in model.modules():
         state = module.__dict__
@@ -441,7 +448,14 @@ def _give_exact_ops(model: nn.Module) -> None:
         if isinstance(module, nn.Linear) and state.get("choices") == exact and state.get("draft_op") is None \
                 and state.get("few_row_op") is not None:
             module.exact_op = state["few_row_op"]
-            module.exact_rows = PACKED_MAX_ROWS if isinstance(module.exact_op, ColumnPackedProduct) else MAX_ROWS
+            module.exact_rows = _exact_row_limit(module)
+
+
+def _exact_row_limit(module: nn.Linear) -> int:
+    """The most rows :func:`_give_exact_ops`'s operator takes for ``module`` (where it stays ahead of F.linear)."""
+    if isinstance(module.exact_op, ColumnPackedProduct):
+        return PACKED_MAX_ROWS
+    return BF16_MAX_ROWS if module.weight.dtype == torch.bfloat16 else MAX_ROWS
 
 
 PACKED_MEMORY_SHARE = 0.5
