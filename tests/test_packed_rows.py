@@ -52,15 +52,16 @@ def test_the_packed_product_is_the_linear_and_a_rows_bits_do_not_depend_on_the_r
 
 @needs_packed
 @pytest.mark.parametrize("rank", [4, 16, 20])
-@pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (5, 5)])
+@pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (5, 5), (20, 7)])
 def test_the_lora_tail_is_added_to_the_tail_rows_only(rank, rows, tail):
+    # 200 outputs: 13 column blocks, more than one chunk where several row tiles share the blocks (13 and 20 rows)
     pack, multiply = packed_row_kernel()
     generator = torch.Generator().manual_seed(rank + rows)
-    weight = torch.randn(40, 24, generator=generator)
-    lora_a, lora_b = torch.randn(rank, 24, generator=generator), torch.randn(40, rank, generator=generator)
+    weight = torch.randn(200, 24, generator=generator)
+    lora_a, lora_b = torch.randn(rank, 24, generator=generator), torch.randn(200, rank, generator=generator)
     x = torch.randn(rows, 24, generator=generator)
-    plain = multiply(x, pack(weight), 40, None, None, None, rows)
-    got = multiply(x, pack(weight), 40, None, pack(lora_a), pack(lora_b), tail)
+    plain = multiply(x, pack(weight), 200, None, None, None, rows)
+    got = multiply(x, pack(weight), 200, None, pack(lora_a), pack(lora_b), tail)
     torch.testing.assert_close(got, _reference(x, weight, None, lora_a, lora_b, tail), rtol=1e-5, atol=1e-5)
     assert torch.equal(got[:tail], plain[:tail])  # clean rows: the base product, bit for bit
 
