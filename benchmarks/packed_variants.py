@@ -5,7 +5,9 @@
 Timing two builds in two processes on a shared VM mixes the change with the machine's drift (10-30% between
 runs here). Each source given is built as its own operator library, so all of them load side by side; the
 products of four SmolLM2 layers (7 linears each, cold weights: a 96 MB buffer is touched before every layer)
-then run variant after variant within every round. Prints the median µs per layer by row count.
+then run variant after variant within every round. Prints the median µs per layer by row count. With
+``--lora-rank R --mask-rows T`` each product also adds a LoRA update (float16 factors of rank R, as the shipped
+adapter's lean form) to its last T rows, as a TiDAR pass does on its ``[MASK]`` rows.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 10, 12, 16])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--lora-rank", type=int, default=0, help="a LoRA update of this rank on the last rows")
+    parser.add_argument("--mask-rows", type=int, default=0, help="how many of the last rows get it (at most --rows)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model, _ = load_smollm2()
@@ -54,19 +58,26 @@ def main() -> None:
         layers = [[model.model.layers[layer].get_submodule(name).weight.detach().contiguous() for name in LINEARS]
                   for layer in LAYERS]
         packed = [[[op.pack_columns(w) for w in layer] for layer in layers] for op in ops]
+        factors = [[(torch.randn(args.lora_rank, w.shape[1]).half(), torch.randn(w.shape[0], args.lora_rank).half())
+                    for w in layer] for layer in layers] if args.lora_rank else None
+        packed_factors = [[[(op.pack_columns(a), op.pack_columns(b)) for a, b in layer] for layer in factors]
+                          for op in ops] if factors else None
         flush = torch.randn(96 << 18)
         seconds = {(v, rows): [] for v in range(len(ops)) for rows in args.rows}
         for _ in range(args.rounds):
             for rows in args.rows:
+                tail = rows - min(args.mask_rows, rows) if factors else rows
                 for v, op in enumerate(ops):
-                    for layer, weights in zip(layers, packed[v], strict=True):
+                    for index, (layer, weights) in enumerate(zip(layers, packed[v], strict=True)):
                         inputs = [torch.randn(rows, w.shape[1]) for w in layer]
+                        lora = packed_factors[v][index] if factors else [(None, None)] * len(layer)
                         flush.mul_(1.0001)
                         start = time.perf_counter()
-                        for w, p, x in zip(layer, weights, inputs, strict=True):
-                            op.packed_row_linear(x, p, w.shape[0], None, None, None, rows)
+                        for w, p, x, (a, b) in zip(layer, weights, inputs, lora, strict=True):
+                            op.packed_row_linear(x, p, w.shape[0], None, a, b, tail)
                         seconds[(v, rows)].append(time.perf_counter() - start)
-    print(f"{args.threads} threads, {args.rounds} rounds, median µs per layer (7 products), cold weights")
+    lora = f", LoRA rank {args.lora_rank} on the last {args.mask_rows} rows" if factors else ""
+    print(f"{args.threads} threads, {args.rounds} rounds, median µs per layer (7 products), cold weights{lora}")
     print("| source | " + " | ".join(f"{rows} rows" for rows in args.rows) + " |")
     print("|---|" + "---|" * len(args.rows))
     for v, source in enumerate(args.sources):
