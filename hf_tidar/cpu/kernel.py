@@ -148,11 +148,7 @@ def few_row_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
     and ``lora_b``. Rows before ``tail_start`` have the bits of the float32 kernel; rows from it on are
     products of bfloat16-rounded inputs and weights summed in float32 (the last ``K mod 32`` terms in float32).
     """
-    isa = kernel_isa()
-    if _unavailable_reason(isa) is not None or isa != "avx512_bf16":
-        return None
-    library = built_library(isa)
-    return None if library is None else library.few_row_linear_bf16_tail
+    return _operator("few_row_linear_bf16_tail", only_on=("avx512_bf16",))
 
 
 def kernel_takes_half_factors() -> bool:
@@ -188,11 +184,7 @@ def packed_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
     Signature as that multiply's. Rows before ``tail_start`` have its bits; rows from it on are products of
     bfloat16-rounded inputs and weights summed in float32, plus their LoRA update in float32.
     """
-    isa = kernel_isa()
-    if _unavailable_reason(isa) is not None or isa != "avx512_bf16":
-        return None
-    library = built_library(isa)
-    return None if library is None else library.packed_row_linear_bf16_tail
+    return _operator("packed_row_linear_bf16_tail", only_on=("avx512_bf16",))
 
 
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
@@ -202,32 +194,30 @@ def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., to
     Signature: ``(query [B, H, T, D], key [B, Hkv, S, D], value, mask [B | 1, 1, T, S] bool | None, scale)
     -> [B, T, H, D]``; without a mask, row ``t`` sees keys ``j <= t + S - T``.
     """
-    isa = kernel_isa()
-    if _unavailable_reason(isa) is not None or dtype not in (torch.float32, torch.bfloat16):
-        return None
-    library = built_library(isa)
-    return None if library is None else library.row_attention
+    return _operator("row_attention") if dtype in (torch.float32, torch.bfloat16) else None
 
 
 def best_two_kernel() -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
     """``row_best_two(scores [R, V]) -> (best [R], second [R])`` (``best_two.cpp``): each row's argmax and its
     second-best token (the best itself where no other score is finite), the choices torch makes, faster; ``None``
     where the library cannot run here."""
-    isa = kernel_isa()
-    if _unavailable_reason(isa) is not None:
-        return None
-    library = built_library(isa)
-    return None if library is None else library.row_best_two
+    return _operator("row_best_two")
 
 
 def rms_norm_kernel() -> Callable[..., torch.Tensor] | None:
     """``rms_norm_rows(x [..., D], weight [D], eps) -> y`` (``rms_norm.cpp``): Llama's RMSNorm over each row of a
     contiguous float32 or bfloat16 ``x``; ``None`` where the library cannot run here."""
+    return _operator("rms_norm_rows")
+
+
+def _operator(name: str, only_on: tuple[str, ...] | None = None) -> Callable | None:
+    """The operator ``name`` of the library built for this CPU (only on the builds ``only_on`` names, if given);
+    ``None`` where the library cannot run or build here."""
     isa = kernel_isa()
-    if _unavailable_reason(isa) is not None:
+    if _unavailable_reason(isa) is not None or (only_on is not None and isa not in only_on):
         return None
     library = built_library(isa)
-    return None if library is None else library.rms_norm_rows
+    return None if library is None else getattr(library, name)
 
 
 def built_kernel(isa: str) -> Callable[..., torch.Tensor] | None:
