@@ -108,9 +108,9 @@ def test_distillation_is_batched_exactly_and_resumable(tmp_path, corpus_dir, mon
 
     shutil.rmtree(tmp_path / "d" / "shards" / "00001")  # as if interrupted during the second shard
     calls = []
-    original = module.greedy_continuations_topk
-    monkeypatch.setattr(module, "greedy_continuations_topk",
-                        lambda m, b, *a: calls.append(len(b)) or original(m, b, *a))
+    original = module.continuations_topk
+    monkeypatch.setattr(module, "continuations_topk",
+                        lambda m, b, *a, **k: calls.append(len(b)) or original(m, b, *a, **k))
     again = distill(model, tokenizer, prompts, tmp_path / "d", max_new_tokens=6, batch_size=4, shard_size=4,
                     progress=False)
     assert calls == [2] and again["input_ids"] == data["input_ids"]  # only the missing shard was generated

@@ -289,11 +289,8 @@ def _shard_rows(model, prompts: Sequence[Sequence[int]], start: int, stop: int, 
         rows.update({name: [] for name in TOPK_COLUMNS})
     for offset in range(start, stop, batch_size):
         batch = prompts[offset : min(offset + batch_size, stop)]
-        if sampling is None:
-            found_rows = greedy_continuations_topk(model, batch, max_new_tokens, pad, eos, top_k)
-        else:
-            found_rows = continuations_topk(model, batch, max_new_tokens, pad, eos, top_k, sampling,
-                                            seed=sampling.seed * 1_000_003 + offset)
+        seed = (sampling.seed if sampling is not None else 0) * 1_000_003 + offset
+        found_rows = continuations_topk(model, batch, max_new_tokens, pad, eos, top_k, sampling, seed=seed)
         for prompt, found in zip(batch, found_rows, strict=True):
             rows["input_ids"].append(list(prompt) + found.tokens)
             rows["labels"].append([IGNORE_INDEX] * len(prompt) + found.tokens)
