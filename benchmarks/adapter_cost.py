@@ -2,6 +2,7 @@
 
     python benchmarks/adapter_cost.py --draft-lengths 2 3 4 --repeats 30 --threads 2 [--dtype bfloat16] [--groups first]
     python benchmarks/adapter_cost.py --draft-lengths 2 3 --groups first --lora-ranks 0 32 64   # what a rank costs
+    python benchmarks/adapter_cost.py --draft-lengths 2 --groups first --batch-size 4            # a batch's passes
 
 SmolLM2-135M-Instruct, float32 unless ``--dtype`` says otherwise. A TiDAR pass at draft length ``k`` with
 every pre-draft group is a query of ``k`` clean tokens followed by ``k * k`` ``[MASK]`` tokens (``k`` of
@@ -82,6 +83,7 @@ def main() -> None:
                         help="also time the adapter at these ranks: the shipped factors grown to each (zero columns of B, "
                              "random rows of A), so drafts stay the same and the cost is a rank-R adapter's (0: as "
                              "shipped); every one listed is timed in the same rounds")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per pass (each with its own cache rows)")
     parser.add_argument("--linears", choices=["measured", "stock"], default="measured",
                         help="the measured CPU path (with its few-row kernel where it builds) or torch's F.linear")
     args = parser.parse_args()
@@ -105,15 +107,15 @@ def main() -> None:
                 cpu.enable(model, draft_dtype=None if drafts == "float32" else drafts)
             models[name] = model
     mask_id = next(iter(models.values())).require_mask_token_id()
-    prefix = torch.randint(100, 20000, (1, PREFIX), generator=torch.Generator().manual_seed(0))
+    prefix = torch.randint(100, 20000, (args.batch_size, PREFIX), generator=torch.Generator().manual_seed(0))
     caches = {}
     for name, model in models.items():
         caches[name] = DynamicCache(config=model.config)
         model(input_ids=prefix, cache=caches[name], use_cache=True, logits_to_keep=1)
     flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in cpu_flags()]
     print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads; {args.dtype}, {args.linears} linears; a {PREFIX}-token cache; median of "
-          f"{args.repeats} alternating calls")
+          f"{torch.get_num_threads()} threads; {args.dtype}, {args.linears} linears; batch {args.batch_size}, a "
+          f"{PREFIX}-token cache; median of {args.repeats} alternating calls")
     print("\n| k | query rows (clean + [MASK]) | drafts | adapter | AR step ms | no adapter ms | lean adapter ms |"
           " adapter adds | pass / AR step |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -122,7 +124,7 @@ def main() -> None:
     for k in args.draft_lengths:
         plan = DraftPlan(k, tuple(range(1, k + 1)) if args.groups == "all" else (1,))
         masks = plan.query_len - k
-        ids = torch.cat([prefix[:, -k:], torch.full((1, masks), mask_id)], dim=1)
+        ids = torch.cat([prefix[:, -k:], torch.full((args.batch_size, masks), mask_id)], dim=1)
         samples: dict[str, list[float]] = {"ar": [], **{name: [] for name in models}}
         for _ in range(args.repeats + 2):  # the first two calls warm up
             for name, model in models.items():

@@ -31,6 +31,17 @@ def _gated_pair(dtype=torch.float64, seed=0):
     return models[0].to(dtype), lean.to(dtype), base.to(dtype)
 
 
+def _every_product_on_the_kernel(model, tmp_path, monkeypatch) -> None:
+    """``cpu.enable(model)`` with every row count of every linear on the few-row kernel, whatever the (short)
+    profile measured."""
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_linear, "COLD_BYTES", 1 << 16)
+    cpu.enable(model)
+    for module in model.modules():
+        if getattr(module, "choices", None):
+            module.choices = [cpu_linear.Choice("few_rows", n + 1) for n in range(len(module.choices))]
+
+
 def _doubled(ids, mask_id):
     return torch.cat([ids, torch.full_like(ids, mask_id)], dim=1)
 
@@ -64,13 +75,8 @@ def test_on_the_kernel_the_update_is_fused_and_clean_rows_stay_the_base_models(d
     if few_row_kernel(dtype) is None:
         pytest.skip(f"no few-row kernel for {dtype} here (float32: AVX2 + FMA; bfloat16: AVX-512 BF16; a compiler)")
     peft, lean, base = _gated_pair(dtype)
-    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
-    monkeypatch.setattr(cpu_linear, "COLD_BYTES", 1 << 16)
-    for model in (lean, base):  # every product on the kernel, whatever the profile measured
-        cpu.enable(model)
-        for module in model.modules():
-            if getattr(module, "choices", None):
-                module.choices = [cpu_linear.Choice("few_rows", n + 1) for n in range(len(module.choices))]
+    for model in (lean, base):
+        _every_product_on_the_kernel(model, tmp_path, monkeypatch)
     fused = []
     original = cpu_linear.few_rows_lora_forward
 
@@ -93,6 +99,36 @@ def test_on_the_kernel_the_update_is_fused_and_clean_rows_stay_the_base_models(d
         torch.testing.assert_close(got[:, 10:], want[:, 10:], rtol=1e-4, atol=1e-5)
     gap = (got[:, 10:].float() - want[:, 10:].float()).norm()  # bf16: the same rounding bound as off the kernel
     assert gap < 0.05 * (want[:, 10:].float() - clean[:, 10:].float()).norm()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_takes_one_fused_call_per_linear_and_each_sequence_keeps_its_own_bits(dtype, tmp_path, monkeypatch):
+    """A batch's [MASK] rows are a tail of each sequence, not of the batch: the kernel takes every sequence's clean
+    rows and then every [MASK] row in one call, and each sequence's states are bit for bit those it gets alone."""
+    if few_row_kernel(dtype) is None:
+        pytest.skip(f"no few-row kernel for {dtype} here (float32: AVX2 + FMA; bfloat16: AVX-512 BF16; a compiler)")
+    _, lean, _ = _gated_pair(dtype)
+    _every_product_on_the_kernel(lean, tmp_path, monkeypatch)
+    calls = []
+    original = cpu_linear.few_rows_lora_forward
+
+    def spy(module, x, tail_start):
+        out = original(module, x, tail_start)
+        calls.append((x.shape[-2], tail_start, out is not None))
+        return out
+
+    monkeypatch.setattr(lean_module, "few_rows_lora_forward", spy)
+    ids = counting_batch(2, 8, VOCAB, torch.Generator().manual_seed(1))
+    attention = torch.ones_like(ids)
+    attention[1, :3] = 0  # a left-padded row
+    x = _doubled(ids, lean.config.mask_token_id)
+    with torch.no_grad():
+        batch = lean.structured_hidden_states(x, tidar_training_layout(attention, BLOCK), mask_tail_start=8)
+        assert calls and all(call == (32, 16, True) for call in calls)  # 2 x (8 clean + 8 [MASK]) rows, one call
+        for row in range(2):
+            alone = lean.structured_hidden_states(x[row : row + 1], tidar_training_layout(attention[row : row + 1], BLOCK),
+                                                  mask_tail_start=8)
+            assert torch.equal(batch[row], alone[0])
 
 
 def test_factors_with_float16_values_reach_the_kernel_in_float16_and_change_no_bit(tmp_path, monkeypatch):

@@ -20,6 +20,8 @@ pushing stay PEFT; this form is for generation (``load_tidar_adapter(..., lean=T
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -41,8 +43,8 @@ class TailLoraLinear(nn.Linear):
         if start is None or start >= x.shape[-2]:
             return linear_forward(self, x)
         one_sequence = x.dim() == 3 and x.shape[0] == 1
-        if one_sequence and not torch.is_grad_enabled():
-            fused = few_rows_lora_forward(self, x, start)
+        if x.dim() == 3 and not torch.is_grad_enabled():
+            fused = self._fused_forward(x, start)
             if fused is not None:  # the measured path's kernel did base product and update in one call
                 return fused
         out = linear_forward(self, x)
@@ -54,6 +56,31 @@ class TailLoraLinear(nn.Linear):
         else:
             out[..., start:, :] += F.linear(F.linear(x[..., start:, :], self.lora_a), self.lora_b)
         return out
+
+    def _fused_forward(self, x: torch.Tensor, start: int) -> torch.Tensor | None:
+        """The measured path's one kernel call for base product and update (``None`` where it does not run).
+
+        A batch's ``[MASK]`` rows are a tail of each sequence, not of the batch: the kernel gets every sequence's
+        clean rows, then every ``[MASK]`` row, and the outputs go back in place. The kernel gives a row the same
+        bits wherever it sits, so each sequence's output is what it would be alone; as small separate products the
+        update cost a batch-4 TiDAR pass on SmolLM2 about 40% more than without the adapter.
+        """
+        batch, length, features = x.shape
+        if batch == 1:
+            return few_rows_lora_forward(self, x, start)
+        order, back = _tail_last_order(batch, length, start)
+        rows = x.reshape(batch * length, features).index_select(0, order)
+        flat = few_rows_lora_forward(self, rows[None], batch * start)
+        return None if flat is None else flat[0].index_select(0, back).view(batch, length, -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _tail_last_order(batch: int, length: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row orders for a ``[batch, length]`` query whose rows from ``start`` on are ``[MASK]``: ``order`` puts every
+    sequence's clean rows first and every ``[MASK]`` row after them; ``back`` undoes it."""
+    index = torch.arange(batch * length).view(batch, length)
+    order = torch.cat([index[:, :start].reshape(-1), index[:, start:].reshape(-1)])
+    return order, torch.argsort(order)
 
 
 class TailEmbedding(nn.Embedding):

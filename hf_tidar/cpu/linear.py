@@ -304,8 +304,9 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     """``module(x)`` plus its lean LoRA update (``x @ lora_aᵀ @ lora_bᵀ``) on the rows from ``tail_start`` on,
     in one kernel call.
 
-    For one sequence (``x`` is ``[1, T, K]``), outside autograd, on the measured path where the few-row kernel
-    runs; ``None`` otherwise (the caller adds the update itself). The kernel is used here whatever the plan says
+    For rows of one matrix (``x`` is ``[1, T, K]``: one sequence, or a batch's rows with every ``[MASK]`` row
+    last), outside autograd, on the measured path where the few-row kernel runs; ``None`` otherwise (the caller
+    adds the update itself). The kernel is used here whatever the plan says
     for the bare product: fused, the update costs almost nothing, where as separate small products it costs more
     than the product itself. Rows before the tail are the base product on the kernel, which gives a row the same
     bits whatever the row count. Called once per adapted linear per pass, so it checks only what can differ.
@@ -317,7 +318,8 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     if kernel is None or not _plan_covers(state, weight, x, rows):
         return None
     flat = _flat_rows(x, rows)
-    if _bf16_tail_start(state, rows) == tail_start:  # the [MASK] tail in bfloat16, with the draft operator's factors
+    if state.get("draft_op") is not None and rows - tail_start >= state["draft_min_rows"]:
+        # the [MASK] tail in bfloat16, with the draft operator's factors
         out = module.draft_op(flat, weight, bias, *module.draft_factors, tail_start)
     else:
         lora_a, lora_b = state.get("kernel_factors") or (module.lora_a, module.lora_b)
