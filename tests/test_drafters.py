@@ -152,9 +152,42 @@ def test_auto_layout_drafts_by_lookup_where_it_pays_and_stays_exact(looping_mode
     mask_id = looping_model.config.mask_token_id
     assert any(not bool((q == mask_id).any()) for q in queries[1:])  # "best" is auto's default source
     lookup = looping_model._tidar_auto_plan.lookup  # the planner counted the lookup passes it prices
-    verifications = sum(not bool((q == mask_id).any()) for q in queries[1:])
+    # Verification-only passes with drafts (an AR step, which auto may also choose, verifies one token only).
+    verifications = sum(not bool((q == mask_id).any()) and q.shape[-1] > 1 for q in queries[1:])
     assert lookup.lookup_passes == verifications and lookup.passes == len(queries) - 1  # all but the prefill
     assert lookup.lookup_tokens >= 2 * lookup.lookup_passes  # the loop's lookup drafts are accepted
+
+
+def test_auto_layout_times_a_batchs_passes_and_steps_like_ar_where_its_rows_cost_too_much(looping_model, monkeypatch):
+    """At batch 2 the passes are timed at batch 2 (here: every query token costs as much as a pass), so drafting
+    does not pay and auto takes plain AR steps, with no drafts from any source; at batch 1 it drafts."""
+    monkeypatch.delattr(looping_model, "_tidar_auto_plan", raising=False)  # a fresh chooser with these costs
+    timed_at = []
+
+    def layout_costs(model, plans, batch_size=1, repeats=None):
+        timed_at.append(batch_size)
+        return {} if batch_size == 1 else {plan: 1.0 + 10.0 * plan.query_len for plan in plans}
+
+    monkeypatch.setattr(auto_plan, "load_or_measure_costs", lambda model, max_query: {1: 1.0, 64: 1.0})  # rows free
+    monkeypatch.setattr(auto_plan, "load_or_measure_lm_head_cost", lambda model: 0.0)
+    monkeypatch.setattr(auto_plan, "load_or_measure_mask_overhead", lambda model: 0.0)
+    monkeypatch.setattr(auto_plan, "load_or_measure_layout_costs", layout_costs)
+    prompts = torch.tensor([[3, 9, 4, 9, 4, 9, 11, 3, 9, 4], [0, 0, 5, 6, 7, 8, 5, 6, 7, 8]])
+    attention = (torch.arange(10) >= torch.tensor([[0], [2]])).long()
+    settings = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=attention)
+    mask_id = looping_model.config.mask_token_id
+    with torch.no_grad():
+        ar = looping_model.generate(prompts, **settings)
+        queries = _spy_query_tokens(looping_model, monkeypatch)
+        out = looping_model.generate(prompts, strategy="tidar", draft_layout="auto", **settings)
+        assert torch.equal(out, ar)
+        assert timed_at == [1, 2]  # the one-sequence passes once, then the batch's
+        assert all(q.shape[-1] == 1 for q in queries[1:])  # AR steps after the prefill: no [MASK] row, no draft
+        queries.clear()
+        single = looping_model.generate(prompts[:1], strategy="tidar", draft_layout="auto", max_new_tokens=24,
+                                        do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(single, ar[:1])
+    assert any(bool((q == mask_id).any()) for q in queries[1:])  # one sequence: rows are free, drafting pays
 
 
 # -- greedy diffusion drafts avoid an immediate repeat ------------------------------------------------

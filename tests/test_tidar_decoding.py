@@ -288,6 +288,25 @@ def test_auto_layout_prices_a_timed_pass_by_its_timing_over_the_sum_of_parts():
     assert chooser.choose() == DraftPlan(3, (1,)) and untimed.choose() != DraftPlan(3, (1,))
 
 
+def test_auto_layout_prices_a_batch_from_its_timed_passes_and_takes_ar_steps_where_no_draft_pays():
+    from hf_tidar.generation.auto_plan import AR_STEP
+
+    flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}  # one sequence: rows are free
+    chooser = AutoDraftPlan(flat, 4)
+    for _ in range(200):
+        chooser.observe(3, 2)  # about half the drafts accepted
+    assert chooser.choose(batch=1).groups  # drafting pays
+    chooser.batch_costs[8] = {plan: 1.0 + plan.query_len for plan in chooser.candidates}  # at 8 every row costs
+    assert chooser.choose(batch=8) == AR_STEP  # re-chosen at once for the new batch size
+    layout = DraftPlan(2, (1,))
+    assert chooser.step_cost(layout) == 5.0  # timed there
+    chooser.batch = 4  # between the batch sizes timed (1 and 8): linear in the batch
+    assert chooser.step_cost(layout) == pytest.approx(1.0 + (5.0 - 1.0) * 3 / 7)
+    chooser.batch = 15  # beyond: the same line
+    assert chooser.step_cost(layout) == pytest.approx(1.0 + (5.0 - 1.0) * 2)
+    assert chooser.choose(batch=1).groups  # back to one sequence, back to drafting
+
+
 def test_layout_costs_are_timed_as_real_passes_once_and_cached(tmp_path, monkeypatch):
     from hf_tidar.generation import cost_profile
 
@@ -338,10 +357,10 @@ def test_auto_layout_prices_diffusion_layouts_beside_lookup_passes():
         chooser.observe(3, 3)  # diffusion drafts always accepted: alone, the longer block pays for its cost
     assert chooser.choose() == DraftPlan(3, (1,))
     for _ in range(300):  # three passes in four draft by lookup (4 tokens each): a diffusion pass's long
-        chooser.count_pass(lookup=True)  # block is mostly followed by a lookup pass, its slots unused
+        chooser.count_pass(lookup_rows=1)  # block is mostly followed by a lookup pass, its slots unused
         chooser.observe_lookup(4)
     for _ in range(100):
-        chooser.count_pass(lookup=False)
+        chooser.count_pass(lookup_rows=0)
     assert chooser.lookup.share == pytest.approx(301 / 402)
     assert chooser.choose(lookup_length=4) == DraftPlan(2, (1,))
     assert chooser.choose() == DraftPlan(3, (1,))  # a decode without lookup re-plans at once

@@ -22,7 +22,13 @@ drafts often come next) is priced at what it returns.
 
 The layout maximising expected tokens per second is re-chosen every few passes. Candidates are
 ``k = 1..block_size`` with groups ``{1..g}``: acceptance probabilities fall with depth, so the groups
-for small accepted counts are the ones worth their compute. Costs are measured at batch size 1.
+for small accepted counts are the ones worth their compute. One more candidate drafts nothing: plain AR steps
+(:data:`AR_STEP`, no lookup drafts either). It wins where no draft pays for its rows, which on a CPU is the case
+in large batches.
+
+Batches. A pass over ``b`` sequences is ``b`` times the rows of one, and on a CPU rows cost: a decode of a batch
+prices its layouts with passes timed at its batch size (once per batch size, cached on disk), for fewer active
+sequences (finished rows leave the batch) interpolated between the batch sizes timed.
 """
 
 from __future__ import annotations
@@ -42,6 +48,13 @@ from .draft_plan import DraftPlan, verification_plan
 from .drafters import PRIOR_ACCEPTED, PRIOR_PASSES
 
 REPLAN_EVERY = 8  # passes between layout choices
+
+AR_STEP = verification_plan(1)
+"""The candidate that drafts nothing, from any source: each pass is an AR step (the token chosen last, one
+token out)."""
+
+BATCH_REPEATS = 3
+"""Timed rounds of the passes at a batch size above one (longer passes than at one: fewer rounds)."""
 
 
 class AcceptanceStats:
@@ -66,31 +79,33 @@ class AcceptanceStats:
 
 @dataclass
 class LookupStats:
-    """Prompt-lookup passes of the decodes that could draft by lookup: their share and tokens per pass."""
+    """Prompt-lookup passes of the decodes that could draft by lookup, counted per sequence (a pass over a batch
+    is a pass of each of its rows): their share and the tokens a row emits in one."""
 
     lookup_passes: int = 0
     lookup_tokens: int = 0
-    passes: int = 0  # every pass of those decodes, lookup or diffusion
+    passes: int = 0  # every pass of every row of those decodes, lookup or diffusion
 
     PRIOR_TOKENS = 1.0 + PRIOR_ACCEPTED["prompt_lookup"]  # the verifier's token and the chooser's prior drafts
 
-    def count_pass(self, lookup: bool) -> None:
-        """One pass of a decode that may draft by lookup (``lookup``: its drafts came from prompt lookup)."""
-        self.passes += 1
-        self.lookup_passes += lookup
+    def count_pass(self, lookup_rows: int, rows: int = 1) -> None:
+        """One pass over ``rows`` rows of a decode that may draft by lookup, ``lookup_rows`` of them drafted by
+        lookup (in a batch, the pass is a lookup pass, with no mask group, only when all its rows are)."""
+        self.passes += rows
+        self.lookup_passes += lookup_rows
 
     def observe(self, emitted: int) -> None:
-        """A lookup pass emitted ``emitted`` tokens (for one row)."""
+        """A row's lookup pass emitted ``emitted`` tokens."""
         self.lookup_tokens += emitted
 
     @property
     def share(self) -> float:
-        """Smoothed probability that a pass drafts by lookup (prior 1/2)."""
+        """Smoothed probability that a row's pass drafts by lookup (prior 1/2)."""
         return (self.lookup_passes + 1) / (self.passes + 2)
 
     @property
     def tokens_per_pass(self) -> float:
-        """Smoothed tokens a lookup pass emits."""
+        """Smoothed tokens a row emits in a lookup pass."""
         return (self.lookup_tokens + PRIOR_PASSES * self.PRIOR_TOKENS) / (self.lookup_passes + PRIOR_PASSES)
 
 
@@ -156,15 +171,18 @@ class AutoDraftPlan:
         self.lookup = LookupStats()
         self.candidates = [
             DraftPlan(k, tuple(range(1, g + 1))) for k in range(1, block_size + 1) for g in range(1, k + 1)
-        ]
+        ] + [AR_STEP]
+        self.batch_costs: dict[int, dict[DraftPlan, float]] = {}  # passes timed at batch sizes above one
+        self.batch = 1  # sequences in the passes being priced
         self._current: DraftPlan | None = None
-        self._chosen_for: int | None = None  # the lookup length the current choice was made for
+        self._chosen_for: tuple[int | None, int] | None = None  # the lookup length and batch it was made for
         self._since_choice = 0
         self.key: tuple | None = None
 
     @classmethod
-    def for_model(cls, model) -> AutoDraftPlan:
-        """The model's chooser (statistics persist across ``generate`` calls), profiling on first use.
+    def for_model(cls, model, batch_size: int = 1) -> AutoDraftPlan:
+        """The model's chooser (statistics persist across ``generate`` calls), profiling on first use, and the
+        passes timed at ``batch_size`` too where that is above one.
 
         A new chooser (and profile) is made when the block size, device, dtype, attention implementation
         or thread count changed since.
@@ -178,10 +196,18 @@ class AutoDraftPlan:
             # The passes it will price, timed as they run: every candidate and the verification-only passes
             # of prompt-lookup drafts (up to a block of drafts after the verified token).
             verification = [verification_plan(k) for k in range(1, block + 2)]
-            chooser.layout_costs = load_or_measure_layout_costs(model, chooser.candidates + verification)
+            chooser.layout_costs = load_or_measure_layout_costs(model, chooser.priced_passes(verification))
             chooser.key = key
             model._tidar_auto_plan = chooser
+        if batch_size > 1 and batch_size not in chooser.batch_costs:
+            verification = [verification_plan(k) for k in range(1, chooser.block_size + 2)]
+            chooser.batch_costs[batch_size] = load_or_measure_layout_costs(
+                model, chooser.priced_passes(verification), batch_size=batch_size, repeats=BATCH_REPEATS)
         return chooser
+
+    def priced_passes(self, verification: list[DraftPlan]) -> list[DraftPlan]:
+        """Every candidate and the verification-only passes of prompt-lookup drafts, each once."""
+        return list(dict.fromkeys(self.candidates + verification))
 
     def observe(self, drafts: int, emitted: int) -> None:
         """Record one row's pass (``drafts`` drafts, ``emitted`` tokens)."""
@@ -191,18 +217,36 @@ class AutoDraftPlan:
         """Record one row's prompt-lookup pass (``emitted`` tokens)."""
         self.lookup.observe(emitted)
 
-    def count_pass(self, lookup: bool | None = None) -> None:
-        """One forward pass happened (whatever the batch size): the layout is re-chosen every few.
-        ``lookup``: whether its drafts came from prompt lookup (``None``: the decode cannot draft by lookup)."""
+    def count_pass(self, rows: int = 1, lookup_rows: int | None = None) -> None:
+        """One forward pass over ``rows`` sequences happened: the layout is re-chosen every few.
+        ``lookup_rows``: how many of them drafted by prompt lookup (``None``: the decode cannot draft by lookup,
+        or did not draft at all)."""
         self._since_choice += 1
-        if lookup is not None:
-            self.lookup.count_pass(lookup)
+        if lookup_rows is not None:
+            self.lookup.count_pass(lookup_rows, rows)
 
     def step_cost(self, layout: DraftPlan) -> float:
-        """Seconds of one pass: the layout's own timed pass where it was timed (:attr:`layout_costs`), else the
-        profiled forward (which projects ``min(q, 4)`` rows onto the vocabulary) plus the LM head on the rest
-        of the rows a step projects (``layout.projected_rows``), plus the adapter's work on the mask rows when
-        the layout has mask groups."""
+        """Seconds of one pass over :attr:`batch` sequences: at one, :meth:`single_cost`; above, interpolated
+        linearly between the batch sizes timed (one among them), or extrapolated from the two largest. A layout
+        not timed at a batch size (more than ``LAYOUT_MAX_QUERY`` query tokens) is priced as that many
+        one-sequence passes there."""
+        single = self.single_cost(layout)
+        if self.batch <= 1 or not self.batch_costs:
+            return single
+        sizes = [1, *sorted(self.batch_costs)]
+        costs = [single, *(self.batch_costs[b].get(layout, b * single) for b in sizes[1:])]
+        if self.batch in sizes:
+            return costs[sizes.index(self.batch)]
+        upper = next((i for i, b in enumerate(sizes) if b > self.batch), len(sizes) - 1)
+        lower = upper - 1
+        slope = (costs[upper] - costs[lower]) / (sizes[upper] - sizes[lower])
+        return costs[lower] + slope * (self.batch - sizes[lower])
+
+    def single_cost(self, layout: DraftPlan) -> float:
+        """Seconds of one pass of one sequence: the layout's own timed pass where it was timed
+        (:attr:`layout_costs`), else the profiled forward (which projects ``min(q, 4)`` rows onto the vocabulary)
+        plus the LM head on the rest of the rows a step projects (``layout.projected_rows``), plus the adapter's
+        work on the mask rows when the layout has mask groups."""
         if layout in self.layout_costs:
             return self.layout_costs[layout]
         q = layout.query_len
@@ -224,21 +268,26 @@ class AutoDraftPlan:
     def tokens_per_second(self, layout: DraftPlan, lookup_length: int | None = None) -> float:
         """Expected tokens per second of ``layout`` under the current statistics; with ``lookup_length``, in a
         decode whose passes draft by prompt lookup (up to ``lookup_length`` drafts) at the observed share."""
+        if not layout.groups:  # AR steps: one token a pass
+            return 1.0 / self.step_cost(layout)
         alpha = [1.0] + [self.stats.alpha(d) for d in range(1, self.block_size + 1)]
         if lookup_length is None:
             return expected_tokens_per_pass(layout, alpha) / self.step_cost(layout)
-        mix = pass_mix(layout, alpha, self.lookup.share)
+        # The share is a row's; a pass over a batch verifies lookup drafts only (no mask group) when all its rows do.
+        mix = pass_mix(layout, alpha, self.lookup.share ** self.batch)
         tokens = mix.lookup * self.lookup.tokens_per_pass + mix.diffusion_tokens
         seconds = mix.lookup * self.lookup_pass_cost(lookup_length)
         seconds += mix.diffusion_share * self.step_cost(layout)
         return tokens / seconds
 
-    def choose(self, lookup_length: int | None = None) -> DraftPlan:
-        """The best layout now (re-chosen every ``REPLAN_EVERY`` observed passes, and when the decode's use of
-        prompt lookup changed): ``lookup_length`` as in :meth:`tokens_per_second`."""
-        stale = self._since_choice >= REPLAN_EVERY or lookup_length != self._chosen_for
+    def choose(self, lookup_length: int | None = None, batch: int = 1) -> DraftPlan:
+        """The best layout now for passes over ``batch`` sequences (re-chosen every ``REPLAN_EVERY`` observed
+        passes, and when the decode's use of prompt lookup or its batch changed): ``lookup_length`` as in
+        :meth:`tokens_per_second`. :data:`AR_STEP` where no layout's drafts pay for their rows."""
+        stale = self._since_choice >= REPLAN_EVERY or (lookup_length, batch) != self._chosen_for
         if self._current is None or stale:
+            self.batch = batch
             self._current = max(self.candidates, key=lambda layout: self.tokens_per_second(layout, lookup_length))
-            self._chosen_for = lookup_length
+            self._chosen_for = (lookup_length, batch)
             self._since_choice = 0
         return self._current

@@ -150,8 +150,9 @@ ones are priced from the curve."""
 
 @torch.no_grad()
 def measure_layout_costs(model, plans, cache_len: int = PROFILE_CACHE_LEN, repeats: int = PROFILE_REPEATS,
-                         on_round=None) -> dict:
-    """Median seconds of one real decode pass per draft plan, in interleaved rounds against one prefill.
+                         on_round=None, batch_size: int = 1) -> dict:
+    """Median seconds of one real decode pass per draft plan, in interleaved rounds against one prefill
+    (of ``batch_size`` sequences: every pass is then that many sequences' queries).
 
     Each pass is what the decoder runs: ``k`` draft tokens then the plan's ``[MASK]`` groups under its
     decode mask (a gated adapter working on the mask rows), and the plan's projected rows through the LM
@@ -163,16 +164,21 @@ def measure_layout_costs(model, plans, cache_len: int = PROFILE_CACHE_LEN, repea
 
     device = model.device
     generator = torch.Generator().manual_seed(0)
-    prompt = _real_tokens(model, cache_len, generator)
+
+    def tokens(length: int) -> torch.Tensor:
+        return torch.cat([_real_tokens(model, length, generator) for _ in range(batch_size)])
+
+    prompt = tokens(cache_len)
     cache = DraftCache(config=model.config.get_text_config())
     model.model(input_ids=prompt, cache=cache, use_cache=True)
-    prefix = torch.ones(1, cache_len, dtype=torch.bool, device=device)
+    prefix = torch.ones(batch_size, cache_len, dtype=torch.bool, device=device)
     inputs = {}
     for plan in plans:
         k = plan.draft_len
         mask, positions = model.rendered_layout(tidar_decode_layout(prefix, k, plan.groups))
-        drafts = _real_tokens(model, k, generator)
-        masks = torch.full((1, plan.query_len - k), model.require_mask_token_id() if plan.groups else 0, device=device)
+        drafts = tokens(k)
+        masks = torch.full((batch_size, plan.query_len - k), model.require_mask_token_id() if plan.groups else 0,
+                           device=device)
         rows = torch.tensor(plan.projected_rows, device=device)
         inputs[plan] = (torch.cat([drafts, masks], dim=1), mask, positions, rows)
 
@@ -185,10 +191,11 @@ def measure_layout_costs(model, plans, cache_len: int = PROFILE_CACHE_LEN, repea
     return _interleaved_medians(plans, forward, cache, cache_len, device, repeats, on_round)
 
 
-def load_or_measure_layout_costs(model, plans) -> dict:
+def load_or_measure_layout_costs(model, plans, batch_size: int = 1, repeats: int = PROFILE_REPEATS) -> dict:
     """:func:`measure_layout_costs` for the plans of at most :data:`LAYOUT_MAX_QUERY` query tokens, once per
-    model/device/dtype/threads and adapter form, cached on disk (plans keyed as ``"k:g1,g2"``)."""
-    path = cache_root() / "profiles" / f"{profile_key(model)}.layouts-{adapter_tag(model)}.json"
+    model/device/dtype/threads, adapter form and batch size, cached on disk (plans keyed as ``"k:g1,g2"``)."""
+    batch = f"-batch{batch_size}" if batch_size > 1 else ""
+    path = cache_root() / "profiles" / f"{profile_key(model)}.layouts-{adapter_tag(model)}{batch}.json"
     wanted = [plan for plan in plans if plan.query_len <= LAYOUT_MAX_QUERY]
 
     def key(plan) -> str:
@@ -200,10 +207,12 @@ def load_or_measure_layout_costs(model, plans) -> dict:
         stored = {}
     missing = [plan for plan in wanted if key(plan) not in stored]
     if missing:
-        logger.info(f"draft_layout='auto': timing {len(missing)} draft layouts as real passes (once; cached in {path}).")
-        with tqdm(total=PROFILE_REPEATS + 1, desc="Timing draft layouts", unit="round", leave=False,
+        at = f" at batch size {batch_size}" if batch_size > 1 else ""
+        logger.info(f"draft_layout='auto': timing {len(missing)} draft layouts as real passes{at} (once; cached in "
+                    f"{path}).")
+        with tqdm(total=repeats + 1, desc="Timing draft layouts", unit="round", leave=False,
                   disable=not _stderr_is_terminal()) as bar:
-            measured = measure_layout_costs(model, missing, on_round=bar.update)
+            measured = measure_layout_costs(model, missing, repeats=repeats, on_round=bar.update, batch_size=batch_size)
         stored.update({key(plan): seconds for plan, seconds in measured.items()})
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")

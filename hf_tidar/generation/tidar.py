@@ -78,7 +78,7 @@ def tidar_decode(
     # Checked before resolving the layout: "auto" would profile the hardware first.
     if verifier_weight != 1.0 and draft_layout is not None:
         raise ValueError(MIXED_NEEDS_EVERY_GROUP)
-    layout = resolve_draft_plan(model, draft_length, draft_groups, draft_layout)
+    layout = resolve_draft_plan(model, draft_length, draft_groups, draft_layout, batch_size=input_ids.shape[0])
     if verifier_weight != 1.0 and not layout.has_every_group:
         raise ValueError(MIXED_NEEDS_EVERY_GROUP)
     if verifier_weight != 1.0:
@@ -173,8 +173,10 @@ def _warn_if_rounding_differs(model, generation_config, query_rows: int) -> None
     )
 
 
-def resolve_draft_plan(model, draft_length, draft_groups, draft_layout) -> DraftPlan | AutoDraftPlan:
-    """The layout for this call: a fixed :class:`DraftPlan`, or the model's :class:`AutoDraftPlan`."""
+def resolve_draft_plan(model, draft_length, draft_groups, draft_layout,
+                       batch_size: int = 1) -> DraftPlan | AutoDraftPlan:
+    """The layout for this call: a fixed :class:`DraftPlan`, or the model's :class:`AutoDraftPlan` (with its
+    passes timed at ``batch_size`` sequences)."""
     block_size = model.config.block_size
     if draft_layout is None:
         return DraftPlan.build(block_size if draft_length is None else draft_length, draft_groups, block_size)
@@ -182,4 +184,4 @@ def resolve_draft_plan(model, draft_length, draft_groups, draft_layout) -> Draft
         raise ValueError(f"draft_layout must be None or 'auto', got {draft_layout!r}.")
     if draft_length is not None or draft_groups is not None:
         raise ValueError("draft_layout='auto' chooses draft_length and draft_groups itself; pass neither.")
-    return AutoDraftPlan.for_model(model)
+    return AutoDraftPlan.for_model(model, batch_size)

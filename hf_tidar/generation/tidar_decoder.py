@@ -138,11 +138,11 @@ class TidarDecoder:
         self.lookup_length = lookup_length if not self.mixed else None
         if self.auto and self.lookup_length:  # choose sources by tokens per second under the measured costs
             self.chooser.pass_cost = self._source_pass_cost
-        # What a verified row costs, in tokens: datastore proposals keep only the drafts expected to earn it.
-        self.row_cost = self.auto.verification_row_cost() if self.auto else ROW_COST
         # The planner prices layouts with the share of lookup passes when lookup may draft.
         self.planned_lookup = self.lookup_length if draft_source != "diffusion" else None
-        self.layout = self.auto.choose(self.planned_lookup) if self.auto else layout
+        self.layout = self.auto.choose(self.planned_lookup, batch=input_ids.shape[0]) if self.auto else layout
+        # What a verified row costs, in tokens: datastore proposals keep only the drafts expected to earn it.
+        self.row_cost = self.auto.verification_row_cost() if self.auto else ROW_COST
         if draft_source != "diffusion":
             for row, prompt, valid in zip(self.rows, input_ids, attention_mask.bool(), strict=True):
                 row.ngrams = NgramIndex(prompt[valid].tolist())
@@ -183,8 +183,8 @@ class TidarDecoder:
                    slot_tokens: list[int] | None = None) -> Drafts:
         """The row's drafts after ``d_0 = first``: a lookup continuation (the context's, then the datastore's)
         where the draft source allows one and it is expected to commit more, else the diffusion slots
-        (``slot_tokens``: already chosen greedily, instead of ``slot_logits``)."""
-        lookups = self._lookup_blocks(row, first)
+        (``slot_tokens``: already chosen greedily, instead of ``slot_logits``). Under ``auto``'s AR steps, none."""
+        lookups = self._lookup_blocks(row, first) if self.layout.groups else []
         if lookups and self.draft_source == "prompt_lookup":
             return lookups[0]
         if lookups:
@@ -357,7 +357,7 @@ class TidarDecoder:
 
     def pass_plan(self, drafts: list[Drafts]) -> DraftPlan:
         """This pass's layout: verification only when every row drafted by prompt lookup, else the
-        decode's layout (whose groups pre-draft the next block)."""
+        decode's layout (whose groups pre-draft the next block; ``auto``'s AR steps have none)."""
         if self.lookup_length and all(d.source in LOOKUP_SOURCES for d in drafts):
             return verification_plan(max(len(d.tokens) for d in drafts))
         return self.layout
@@ -418,10 +418,12 @@ class TidarDecoder:
                     self.orders.observe(drafts[index].order, count - 1, len(drafts[index].tokens) - 1)
                 if self.auto and layout.groups:
                     self.auto.observe(len(drafts[index].tokens), count)
-                elif self.auto:  # a verification-only pass: every row drafted by prompt lookup
+                elif self.auto and drafts[index].source in LOOKUP_SOURCES:  # a verification-only pass's row
                     self.auto.observe_lookup(count)
-        if self.auto:
-            self.auto.count_pass(lookup=not layout.groups if self.planned_lookup else None)
+        if self.auto:  # AR steps say nothing of how often lookup would draft
+            priced = self.planned_lookup and self.layout.groups
+            lookup_rows = sum(d.source in LOOKUP_SOURCES for d in drafts) if priced else None
+            self.auto.count_pass(rows=len(drafts), lookup_rows=lookup_rows)
         return emitted
 
     def _next_drafts(self, active: list[int], emitted: list[int], logits: torch.Tensor,
@@ -458,7 +460,7 @@ class TidarDecoder:
         drafts = [drafts[i] for i in active]
         while active:
             if self.auto:
-                self.layout = self.auto.choose(self.planned_lookup)
+                self.layout = self.auto.choose(self.planned_lookup, batch=len(active))
             drafts = self.step(active, drafts, state)
             still = [i for i, row_id in enumerate(active) if not self.rows[row_id].finished]
             if not still:
