@@ -307,6 +307,22 @@ def test_auto_layout_prices_a_batch_from_its_timed_passes_and_takes_ar_steps_whe
     assert chooser.choose(batch=1).groups  # back to one sequence, back to drafting
 
 
+def test_auto_layout_takes_a_diffusion_layout_in_a_near_tie_so_its_statistics_can_change():
+    from hf_tidar.generation.auto_plan import NEAR_TIE, drafts_by_diffusion, expected_tokens_per_pass
+
+    flat = {q: 1.0 for q in (1, 2, 4, 8, 16, 32, 64, 128)}
+    chooser = AutoDraftPlan(flat, 4)
+    alpha = [1.0] + [chooser.stats.alpha(d) for d in range(1, 5)]
+    k2 = DraftPlan(2, (1,))
+    for behind, drafting in ((NEAR_TIE / 2, True), (2 * NEAR_TIE, False)):
+        # one token a second without diffusion drafts (AR steps, k = 1); k = 2 priced `behind` that, the rest far
+        timed = {plan: 100.0 for plan in chooser.candidates if drafts_by_diffusion(plan)}
+        timed[k2] = expected_tokens_per_pass(k2, alpha) / (1 - behind)
+        chooser = AutoDraftPlan(flat, 4, layout_costs=timed)
+        assert (chooser.choose() == k2) is drafting
+        assert drafts_by_diffusion(chooser.choose()) is drafting
+
+
 def test_layout_costs_are_timed_as_real_passes_once_and_cached(tmp_path, monkeypatch):
     from hf_tidar.generation import cost_profile
 

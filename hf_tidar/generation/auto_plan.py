@@ -53,6 +53,11 @@ AR_STEP = verification_plan(1)
 """The candidate that drafts nothing, from any source: each pass is an AR step (the token chosen last, one
 token out)."""
 
+NEAR_TIE = 0.1
+"""A layout that drafts by diffusion is chosen over a better-priced one that does not (``k = 1``, AR steps) when
+it is priced within this share of it: only its passes tell the chooser how often diffusion drafts are accepted and
+how often lookup is preferred to them, so without it an early, lookup-heavy estimate would never be revised."""
+
 BATCH_REPEATS = 3
 """Timed rounds of the passes at a batch size above one (longer passes than at one: fewer rounds)."""
 
@@ -80,28 +85,30 @@ class AcceptanceStats:
 @dataclass
 class LookupStats:
     """Prompt-lookup passes of the decodes that could draft by lookup, counted per sequence (a pass over a batch
-    is a pass of each of its rows): their share and the tokens a row emits in one."""
+    is a pass of each of its rows): how often a row drafts by lookup, and the tokens it emits in a lookup pass."""
 
-    lookup_passes: int = 0
+    lookup_passes: int = 0  # a row's verification-only passes, whose tokens were observed
     lookup_tokens: int = 0
-    passes: int = 0  # every pass of every row of those decodes, lookup or diffusion
+    chosen: int = 0  # a row's passes drafted by lookup, among those where the diffusion slots competed
+    passes: int = 0  # a row's passes where the diffusion slots competed with lookup
 
     PRIOR_TOKENS = 1.0 + PRIOR_ACCEPTED["prompt_lookup"]  # the verifier's token and the chooser's prior drafts
 
     def count_pass(self, lookup_rows: int, rows: int = 1) -> None:
-        """One pass over ``rows`` rows of a decode that may draft by lookup, ``lookup_rows`` of them drafted by
-        lookup (in a batch, the pass is a lookup pass, with no mask group, only when all its rows are)."""
+        """One pass over ``rows`` rows whose drafts came from a layout with diffusion slots, ``lookup_rows`` of them
+        drafted by lookup (in a batch, the pass is a lookup pass, with no mask group, only when all its rows are)."""
         self.passes += rows
-        self.lookup_passes += lookup_rows
+        self.chosen += lookup_rows
 
     def observe(self, emitted: int) -> None:
         """A row's lookup pass emitted ``emitted`` tokens."""
         self.lookup_tokens += emitted
+        self.lookup_passes += 1
 
     @property
     def share(self) -> float:
         """Smoothed probability that a row's pass drafts by lookup (prior 1/2)."""
-        return (self.lookup_passes + 1) / (self.passes + 2)
+        return (self.chosen + 1) / (self.passes + 2)
 
     @property
     def tokens_per_pass(self) -> float:
@@ -150,6 +157,11 @@ def pass_mix(layout: DraftPlan, alpha: list[float], lookup_share: float = 0.0) -
         lookup, state = lookup_share * (lookup + sum(state)), nxt
     tokens = [sum(reach[:m]) for m in range(k + 1)]
     return PassMix(lookup, state, tokens)
+
+
+def drafts_by_diffusion(layout: DraftPlan) -> bool:
+    """Whether ``layout``'s passes draft by diffusion: mask groups with slots after the verifier's (``k > 1``)."""
+    return bool(layout.groups) and layout.draft_len > 1
 
 
 def expected_tokens_per_pass(layout: DraftPlan, alpha: list[float]) -> float:
@@ -287,7 +299,10 @@ class AutoDraftPlan:
         stale = self._since_choice >= REPLAN_EVERY or (lookup_length, batch) != self._chosen_for
         if self._current is None or stale:
             self.batch = batch
-            self._current = max(self.candidates, key=lambda layout: self.tokens_per_second(layout, lookup_length))
+            rates = {layout: self.tokens_per_second(layout, lookup_length) for layout in self.candidates}
+            best = max(rates, key=rates.get)
+            drafting = max((layout for layout in rates if drafts_by_diffusion(layout)), key=rates.get)
+            self._current = drafting if rates[drafting] >= (1 - NEAR_TIE) * rates[best] else best
             self._chosen_for = (lookup_length, batch)
             self._since_choice = 0
         return self._current

@@ -29,7 +29,7 @@ from ..cpu.kernel import best_two_kernel
 from ..cpu.linear import is_enabled as cpu_path_enabled
 from ..masks import DecodeMaskBuffer, StepMaskTemplate, positions_from_padding, tidar_prefill_layout
 from .acceptance import Scorer, accept_draft, choose, mix_verifier
-from .auto_plan import AutoDraftPlan
+from .auto_plan import AutoDraftPlan, drafts_by_diffusion
 from .datastore import DraftDatastore
 from .draft_plan import DraftPlan, verification_plan
 from .drafters import (
@@ -178,6 +178,13 @@ class TidarDecoder:
         return row.finished
 
     # -- drafting -------------------------------------------------------------------------------------
+
+    @property
+    def slots_competed(self) -> bool:
+        """Whether the decode's layout drafts by diffusion: then a row's next block came from lookup only where
+        lookup was the better candidate, or where the pass before verified lookup drafts only (no slots after it,
+        as ``auto``'s model of the pass mix has it)."""
+        return drafts_by_diffusion(self.layout)
 
     def next_block(self, row: Row, first: int, slot_logits: torch.Tensor | None,
                    slot_tokens: list[int] | None = None) -> Drafts:
@@ -420,8 +427,11 @@ class TidarDecoder:
                     self.auto.observe(len(drafts[index].tokens), count)
                 elif self.auto and drafts[index].source in LOOKUP_SOURCES:  # a verification-only pass's row
                     self.auto.observe_lookup(count)
-        if self.auto:  # AR steps say nothing of how often lookup would draft
-            priced = self.planned_lookup and self.layout.groups
+        if self.auto:
+            # How often lookup drafts is counted where the diffusion slots competed with it: without slots (AR
+            # steps, k = 1) every lookup match is taken, which would price every layout with slots as if its
+            # slots mostly went unused, and keep auto from ever trying one.
+            priced = self.planned_lookup and self.slots_competed
             lookup_rows = sum(d.source in LOOKUP_SOURCES for d in drafts) if priced else None
             self.auto.count_pass(rows=len(drafts), lookup_rows=lookup_rows)
         return emitted
