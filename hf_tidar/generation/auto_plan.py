@@ -205,20 +205,18 @@ class AutoDraftPlan:
             block = model.config.block_size
             chooser = cls(load_or_measure_costs(model, block * (block + 1)), block,
                           load_or_measure_lm_head_cost(model), load_or_measure_mask_overhead(model))
-            # The passes it will price, timed as they run: every candidate and the verification-only passes
-            # of prompt-lookup drafts (up to a block of drafts after the verified token).
-            verification = [verification_plan(k) for k in range(1, block + 2)]
-            chooser.layout_costs = load_or_measure_layout_costs(model, chooser.priced_passes(verification))
+            chooser.layout_costs = load_or_measure_layout_costs(model, chooser.priced_passes())
             chooser.key = key
             model._tidar_auto_plan = chooser
         if batch_size > 1 and batch_size not in chooser.batch_costs:
-            verification = [verification_plan(k) for k in range(1, chooser.block_size + 2)]
             chooser.batch_costs[batch_size] = load_or_measure_layout_costs(
-                model, chooser.priced_passes(verification), batch_size=batch_size, repeats=BATCH_REPEATS)
+                model, chooser.priced_passes(), batch_size=batch_size, repeats=BATCH_REPEATS)
         return chooser
 
-    def priced_passes(self, verification: list[DraftPlan]) -> list[DraftPlan]:
-        """Every candidate and the verification-only passes of prompt-lookup drafts, each once."""
+    def priced_passes(self) -> list[DraftPlan]:
+        """The passes it prices, to be timed as they run: every candidate and the verification-only passes of
+        prompt-lookup drafts (up to a block of drafts after the verified token), each once."""
+        verification = [verification_plan(k) for k in range(1, self.block_size + 2)]
         return list(dict.fromkeys(self.candidates + verification))
 
     def observe(self, drafts: int, emitted: int) -> None:
