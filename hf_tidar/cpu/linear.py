@@ -247,12 +247,18 @@ def _plan_covers(state: dict, weight: torch.Tensor, x: torch.Tensor, rows: int) 
         and x.device.type == "cpu"
 
 
+def _tail_in_bf16(state: dict, rows: int, tail_start: int | None) -> bool:
+    """Whether a product of ``rows`` rows whose ``[MASK]`` tail starts at ``tail_start`` multiplies that tail in
+    bfloat16 (:func:`enable`'s ``draft_dtype``, a tail of at least :func:`bf16_draft_min_rows` rows)."""
+    return tail_start is not None and state.get("draft_op") is not None and rows - tail_start >= state["draft_min_rows"]
+
+
 def _bf16_tail_start(state: dict, rows: int) -> int | None:
-    """Where a one-sequence product of ``rows`` rows starts its bfloat16 ``[MASK]`` tail (:func:`enable`'s
-    ``draft_dtype``, a tail of at least :func:`bf16_draft_min_rows` rows in this forward); else ``None``."""
+    """Where a one-sequence product of ``rows`` rows starts its bfloat16 ``[MASK]`` tail in this forward (the
+    model's mask tail, see :func:`_tail_in_bf16`); else ``None``."""
     tail = state.get("draft_tail")
     start = None if tail is None else tail.start
-    return start if start is not None and rows - start >= state["draft_min_rows"] else None
+    return start if _tail_in_bf16(state, rows, start) else None
 
 
 def _flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -318,8 +324,7 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     if kernel is None or not _plan_covers(state, weight, x, rows):
         return None
     flat = _flat_rows(x, rows)
-    if state.get("draft_op") is not None and rows - tail_start >= state["draft_min_rows"]:
-        # the [MASK] tail in bfloat16, with the draft operator's factors
+    if _tail_in_bf16(state, rows, tail_start):  # the [MASK] tail in bfloat16, with the draft operator's factors
         out = module.draft_op(flat, weight, bias, *module.draft_factors, tail_start)
     else:
         lora_a, lora_b = state.get("kernel_factors") or (module.lora_a, module.lora_b)
