@@ -10,11 +10,17 @@ from toy import tiny_ar_model, train_counting_tidar
 
 from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.cpu import linear as measured
-from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel, packed_bf16_tail_kernel, packed_row_kernel
+from hf_tidar.cpu.kernel import (
+    few_row_bf16_tail_kernel,
+    packed_bf16_tail_kernel,
+    packed_pair_kernel,
+    packed_row_kernel,
+)
 from hf_tidar.cpu.packed import ColumnPackedProduct
 from hf_tidar.generation.cost_profile import profile_key
 
 needs_packed = pytest.mark.skipif(packed_row_kernel() is None, reason="the packed product needs an AVX-512 build")
+needs_pairs = pytest.mark.skipif(packed_pair_kernel() is None, reason="bfloat16 pairs need the AVX-512 BF16 build")
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +126,85 @@ def test_bfloat16_draft_rows_on_packed_weights_keep_the_clean_rows_bits(out_feat
         reference = _bf16_reference(x[tail:], weight, bias, *factors)
         torch.testing.assert_close(got[tail:].double(), reference, rtol=1e-5, atol=1e-4)
         assert not torch.equal(got[tail:], want[tail:])  # they did go through bfloat16
+
+
+def _pair_reference(x, weight, bias=None, lora_a=None, lora_b=None, tail=None):
+    """A bfloat16 product in float64 (bfloat16 inputs and weights are exact there), for comparison after the
+    kernel's one rounding to bfloat16."""
+    out = x.double() @ weight.double().T
+    if bias is not None:
+        out += bias.double()
+    if lora_a is not None:
+        out[tail:] += (x[tail:].double() @ lora_a.double().T) @ lora_b.double().T
+    return out
+
+
+def _assert_bfloat16_rounding_of(got, reference):
+    """``got`` is ``reference`` rounded to bfloat16, up to float32 summation: within one bfloat16 step (2^-8
+    relative) of each value."""
+    assert got.dtype == torch.bfloat16
+    error = (got.double() - reference).abs()
+    assert bool((error <= 2.0**-8 * reference.abs() + 1e-3).all()), float(error.max())
+
+
+@needs_pairs
+@pytest.mark.parametrize("out_features,in_features", [(48, 32), (37, 19), (200, 72)])  # whole and partial blocks, odd K
+@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 30])
+def test_bfloat16_weights_packed_as_pairs_give_the_linear_and_a_rows_bits_whatever_the_row_count(out_features,
+                                                                                               in_features, rows):
+    pack, multiply, _ = packed_pair_kernel()
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=generator).bfloat16()
+    bias = torch.randn(out_features, generator=generator).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
+    packed = pack(weight)
+    assert packed.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16, 2)
+    got = multiply(x, packed, out_features, bias, None, None, rows)
+    _assert_bfloat16_rounding_of(got, _pair_reference(x, weight, bias))
+    for row in range(rows):  # each row alone, as a one-row AR step computes it: the same bits
+        assert torch.equal(multiply(x[row:row + 1].contiguous(), packed, out_features, bias, None, None, 1),
+                           got[row:row + 1])
+
+
+@needs_pairs
+@pytest.mark.parametrize("rank", [4, 16, 20])
+@pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (5, 5), (20, 7)])
+def test_the_lora_tail_on_bfloat16_pairs_is_added_to_the_tail_rows_only(rank, rows, tail):
+    pack, multiply, pack_columns = packed_pair_kernel()
+    generator = torch.Generator().manual_seed(rank + rows)
+    weight = torch.randn(200, 24, generator=generator).bfloat16()
+    lora_a = torch.randn(rank, 24, generator=generator).bfloat16()
+    lora_b = torch.randn(200, rank, generator=generator).bfloat16()
+    x = torch.randn(rows, 24, generator=generator).bfloat16()
+    plain = multiply(x, pack(weight), 200, None, None, None, rows)
+    got = multiply(x, pack(weight), 200, None, pack(lora_a), pack_columns(lora_b), tail)
+    _assert_bfloat16_rounding_of(got, _pair_reference(x, weight, None, lora_a, lora_b, tail))
+    assert torch.equal(got[:tail], plain[:tail])  # clean rows: the base product, bit for bit
+    if tail < rows:
+        assert not torch.equal(got[tail:], plain[tail:])
+
+
+@needs_pairs
+def test_enable_packs_bfloat16_linears_as_pairs_and_greedy_tidar_there_equals_ar():
+    model = train_counting_tidar(block_size=4, steps=150).to(torch.bfloat16)
+    cpu.enable(model)
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(isinstance(m.exact_op, ColumnPackedProduct) for m in linears)
+    assert all(m.exact_rows == measured.PACKED_MAX_ROWS for m in linears)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(1, 9, layer.in_features).bfloat16()
+    with torch.no_grad():
+        _assert_bfloat16_rounding_of(layer(x)[0], _pair_reference(x[0], layer.weight))
+        assert torch.equal(layer(x)[:, 4:5], layer(x[:, 4:5]))  # a row's bits, pass or step
+    prompts = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
+    settings = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ar = model.generate(prompts, **settings)
+        out = model.generate(prompts, strategy="tidar", draft_length=3, return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, ar)
+    assert out.sequences.shape[1] - prompts.shape[1] > int(out.forward_passes.max()) + 1  # drafts were accepted
+    cpu.enable(model, packed=False)
+    assert not measured.is_packed(model)
 
 
 @needs_packed

@@ -187,6 +187,23 @@ def packed_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
     return _operator("packed_row_linear_bf16_tail", only_on=("avx512_bf16",))
 
 
+def packed_pair_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
+                                  Callable[..., torch.Tensor]] | None:
+    """The bfloat16 few-row matmul on weights packed by columns as pairs (``packed_rows.cpp``), as
+    ``(pack, multiply, pack_columns)``; ``None`` unless the AVX-512 BF16 build runs here.
+
+    ``pack(w [N, K] bfloat16) -> [ceil(N / 16), ceil(K / 2), 16, 2]``; ``multiply(x [M, K], packed, N, bias | None,
+    lora_a_packed | None, lora_b_packed | None, tail_start) -> [M, N]``, every tensor bfloat16, ``lora_a`` packed by
+    ``pack`` and ``lora_b`` by ``pack_columns``; rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. Sums
+    in float32 (``vdpbf16ps``), one rounding to bfloat16 at the end: a row's result has the same bits whatever ``M``.
+    """
+    pack = _operator("pack_column_pairs", only_on=("avx512_bf16",))
+    if pack is None:
+        return None
+    library = built_library(kernel_isa())
+    return pack, library.packed_pair_linear, library.pack_columns
+
+
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
     """The row-invariant attention operator (``row_attention.cpp``) for ``dtype`` (float32 or bfloat16, on
     every build), built on first use; ``None`` where the library cannot run here.

@@ -42,6 +42,7 @@ from .kernel import (
     few_row_kernel,
     kernel_takes_half_factors,
     packed_bf16_tail_kernel,
+    packed_pair_kernel,
     packed_row_kernel,
 )
 from .norm import disable_norms, enable_norms
@@ -59,8 +60,9 @@ float32, 2-core Zen 4 EPYC (ms, the packed product against F.linear): 32 rows 37
 against 172, 256 rows 264 against 363, 1,024 rows 1,068 against 1,122."""
 
 BF16_MAX_ROWS = 128
-"""Largest row count the bfloat16 kernel (unpacked: bfloat16 weights are not packed) takes outside autograd, prompts
-included. Ahead of F.linear up to about 140 rows: SmolLM2's seven linear shapes once each, 30 times (a layer stack),
+"""Largest row count the bfloat16 kernel on unpacked weights (``enable(model, packed=False)``) takes outside autograd,
+prompts included; packed as pairs, bfloat16 weights take :data:`PACKED_MAX_ROWS`. Ahead of F.linear up to about 140
+rows: SmolLM2's seven linear shapes once each, 30 times (a layer stack),
 2-core Zen 4 EPYC with AVX-512 BF16 (ms, the kernel against F.linear): 32 rows 22.0 against 29.7, 64 rows 41.8
 against 49.3, 100 rows 65.4 against 71.0, 128 rows 82.4 against 85.7, 160 rows 106.5 against 100.6."""
 
@@ -405,7 +407,8 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     values equal transformers' up to the last bit of the sum of squares' order.
 
     ``packed``: on the AVX-512 builds, float32 weights are multiplied from a copy packed by columns
-    (:mod:`hf_tidar.cpu.packed`), which makes one-row steps and many-row passes cheaper; the copy takes the weights'
+    (:mod:`hf_tidar.cpu.packed`), and on the AVX-512 BF16 build bfloat16 weights from a copy packed by columns as
+    pairs (``vdpbf16ps``), which makes one-row steps and many-row passes cheaper; the copy takes the weights'
     memory once more. By default (``None``) they are packed unless the environment sets ``HF_TIDAR_CPU_PACKED=0``
     or the copies would take more than :data:`PACKED_MEMORY_SHARE` of the memory available (then a warning says
     so); ``True`` packs regardless, ``False`` never. With bfloat16 drafts, the packed product's own bfloat16-tail
@@ -446,8 +449,8 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
 def _give_exact_ops(model: nn.Module) -> None:
     """The linears whose every row count goes to the kernel (and none to a bfloat16 draft operator) get it as
     ``exact_op``: :func:`linear_forward` then checks only what a call can change (autograd, device, dtype, rows).
-    On column-packed weights it takes up to :data:`PACKED_MAX_ROWS` rows (prefills too), on bfloat16 weights up to
-    :data:`BF16_MAX_ROWS`, else :data:`MAX_ROWS`."""
+    On packed weights it takes up to :data:`PACKED_MAX_ROWS` rows (prefills too), on unpacked bfloat16 weights up
+    to :data:`BF16_MAX_ROWS`, else :data:`MAX_ROWS`."""
     exact = exact_choices()
     for module in model.modules():
         state = module.__dict__
@@ -483,28 +486,31 @@ def available_memory() -> int | None:
 
 
 def _pack_columns(model: nn.Module, check_memory: bool) -> None:
-    """Give ``model``'s float32 kernel linears the column-packed product, where it builds; linears with bfloat16
-    draft rows get its bfloat16-tail variant on the same packed copy (where that builds; else they stay unpacked,
-    since the unpacked draft operator's clean rows have the unpacked kernel's bits, which an AR step must match).
+    """Give ``model``'s float32 kernel linears the column-packed product, where it builds, and its bfloat16 kernel
+    linears the pair-packed one (the AVX-512 BF16 build); float32 linears with bfloat16 draft rows get the packed
+    product's bfloat16-tail variant on the same packed copy (where that builds; else they stay unpacked, since the
+    unpacked draft operator's clean rows have the unpacked kernel's bits, which an AR step must match).
     With ``check_memory``, not where the copies would take more than :data:`PACKED_MEMORY_SHARE` of the memory
     available (a warning says so)."""
-    kernel = packed_row_kernel()
-    if kernel is None:
-        return
-    bf16_tail = packed_bf16_tail_kernel()
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.__dict__.get("plan_dtype") == torch.float32
-               and m.__dict__.get("few_row_op") is not None
+    kernel, pairs, bf16_tail = packed_row_kernel(), packed_pair_kernel(), packed_bf16_tail_kernel()
+    products = {torch.float32: kernel}
+    if pairs is not None:
+        products[torch.bfloat16] = pairs
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.__dict__.get("few_row_op") is not None
+               and products.get(m.__dict__.get("plan_dtype")) is not None
                and (m.__dict__.get("draft_op") is None or bf16_tail is not None)]
+    if not linears:
+        return
     copies = sum(m.weight.numel() * m.weight.element_size() for m in linears)  # a tied weight is packed per linear
     available = available_memory() if check_memory else None
     if available is not None and copies > PACKED_MEMORY_SHARE * available:
-        warnings.warn(f"hf_tidar.cpu.enable: packing the float32 weights by columns would take {copies / 2**30:.1f} GiB "
+        warnings.warn(f"hf_tidar.cpu.enable: packing the weights by columns would take {copies / 2**30:.1f} GiB "
                       f"more memory, over {PACKED_MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB available; they "
                       "stay unpacked (many-row passes cost more). enable(model, packed=True) packs them anyway.",
                       stacklevel=3)
         return
     for module in linears:
-        product = module.few_row_op = ColumnPackedProduct(*kernel)
+        product = module.few_row_op = ColumnPackedProduct(*products[module.plan_dtype])
         if module.__dict__.get("draft_op") is not None:
             module.draft_op = product.with_tail_op(bf16_tail)
             module.draft_min_rows = PACKED_BF16_DRAFT_MIN_ROWS

@@ -1,4 +1,5 @@
-"""One float32 linear's few-row product on a column-packed copy of its weight (``packed_rows.cpp``).
+"""One linear's few-row product on a column-packed copy of its weight (``packed_rows.cpp``; float32, or bfloat16
+packed as pairs).
 
 The few-row kernel on nn.Linear's own ``[N, K]`` layout overlaps its memory traffic and its arithmetic poorly
 once a pass has many rows (a 12-row SmolLM2 layer cost 1.67x a one-row one on a Zen 4 CPU). Packed as
@@ -44,13 +45,16 @@ class ColumnPackedProduct:
 
     __slots__ = ("_multiply", "_weight", "_lora_a", "_lora_b")
 
-    def __init__(self, pack: Callable[..., torch.Tensor], multiply: Callable[..., torch.Tensor]):
+    def __init__(self, pack: Callable[..., torch.Tensor], multiply: Callable[..., torch.Tensor],
+                 pack_lora_b: Callable[..., torch.Tensor] | None = None):
         self._multiply = multiply
         self._weight = PackedCopy(pack)
         # The factors as given: float16 ones (exact ones, see hf_tidar.cpu.linear) halve their streams, which go past
-        # next to every weight (the kernel widens them exactly: the same products).
+        # next to every weight (the kernel widens them exactly: the same products). lora_a is packed as the weight
+        # (it multiplies the same inputs); lora_b by ``pack_lora_b`` where the layouts differ (bfloat16 pairs).
+        pack_b = pack_lora_b or pack
         self._lora_a = PackedCopy(lambda a: pack(a.contiguous()))
-        self._lora_b = PackedCopy(lambda b: pack(b.contiguous()))
+        self._lora_b = PackedCopy(lambda b: pack_b(b.contiguous()))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor | None,
                  lora_b: torch.Tensor | None, tail_start: int) -> torch.Tensor:

@@ -27,6 +27,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -66,15 +67,18 @@ void pack_into(const T* s, int64_t N, int64_t K, T* d) {
 }
 
 at::Tensor pack_columns(const at::Tensor& w) {
+  const auto dtype = w.scalar_type();
   TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.is_contiguous() &&
-                  (w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf),
-              "pack_columns: weight must be a contiguous [N, K] float32 or float16 CPU tensor");
+                  (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
+              "pack_columns: weight must be a contiguous [N, K] float32, float16 or bfloat16 CPU tensor");
   const int64_t N = w.size(0), K = w.size(1);
   at::Tensor packed = at::zeros({(N + kLanes - 1) / kLanes, K, kLanes}, w.options());
-  if (w.scalar_type() == at::kFloat)
+  if (dtype == at::kFloat)
     pack_into(w.data_ptr<float>(), N, K, packed.data_ptr<float>());
-  else
+  else if (dtype == at::kHalf)
     pack_into(w.data_ptr<c10::Half>(), N, K, packed.data_ptr<c10::Half>());
+  else
+    pack_into(w.data_ptr<c10::BFloat16>(), N, K, packed.data_ptr<c10::BFloat16>());
   return packed;
 }
 
@@ -83,13 +87,26 @@ inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_lanes(const c10::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+// A bfloat16 is a float32's top half: widened exactly by a shift (bfloat16 models' LoRA factors).
+inline __m512 load_lanes(const c10::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline void store_lanes(float* y, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(y, keep, v); }
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+inline void store_lanes(c10::BFloat16* y, __mmask16 keep, __m512 v) {  // rounded to nearest even, as torch's casts
+  const __m256bh half = _mm512_cvtneps_pbh(v);
+  _mm256_mask_storeu_epi16(y, keep, reinterpret_cast<const __m256i&>(half));
+}
+#endif
 
 // Each tail row's LoRA update (rows from `first` on: their codes z, stride R, against NV packed lora_b blocks, R x 16
 // each) added to its accumulators after the K terms of the product; then the bias, and `valid` outputs of each row
-// stored (fewer than NV * 16 at the end of N).
-template <int MR, int NV, class B>
+// stored (fewer than NV * 16 at the end of N; float32, or bfloat16 rounded to nearest even).
+template <int MR, int NV, class B, class Y>
 inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const B* b, int first, const float* bias,
-                        float* y, int64_t ldy, int64_t valid) {
+                        Y* y, int64_t ldy, int64_t valid) {
   if (z) {
     for (int64_t r = 0; r < R; ++r) {
       __m512 bv[NV];
@@ -107,7 +124,7 @@ inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const 
     const __mmask16 keep = left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
     const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(keep, bias + v * kLanes) : _mm512_setzero_ps();
     for (int i = 0; i < MR; ++i)
-      _mm512_mask_storeu_ps(y + i * ldy + v * kLanes, keep, bias ? _mm512_add_ps(acc[i][v], bias_v) : acc[i][v]);
+      store_lanes(y + i * ldy + v * kLanes, keep, bias ? _mm512_add_ps(acc[i][v], bias_v) : acc[i][v]);
   }
 }
 
@@ -153,6 +170,14 @@ struct Product {
   const B* b;      // packed lora_b [blocks, R, 16], float32 or float16
   int64_t R, tail;
   float* y;  // [M, N]
+
+  // Rows m..m+MR-1 against column blocks blk..blk+NV-1 (rows from `first` on with their codes).
+  template <int MR, int NV>
+  void tile(int64_t m, int64_t blk, const float* codes, int first) const {
+    const int64_t n = blk * kLanes;
+    packed_tile<MR, NV>(x + m * K, K, K, w + blk * K * kLanes, K * kLanes, codes, R, codes ? b + blk * R * kLanes : nullptr,
+                        first, bias ? bias + n : nullptr, y + m * N + n, N, N - n);
+  }
 };
 
 // Rows m..m+MR-1 of `p` against column blocks [first_block, last_block), NV at a time.
@@ -162,17 +187,11 @@ void row_tile(const P& p, int64_t m, int64_t first_block, int64_t last_block) {
   const int first = p.z ? int(std::clamp<int64_t>(p.tail - m, 0, MR)) : MR;
   const float* codes = p.z && first < MR ? p.z + (m + first - p.tail) * p.R : nullptr;
   for (int64_t blk = first_block; blk < last_block;) {
-    const int64_t n = blk * kLanes;
-    const auto* w = p.w + blk * p.K * kLanes;
-    const auto* b = codes ? p.b + blk * p.R * kLanes : nullptr;
-    const float* bias = p.bias ? p.bias + n : nullptr;
     if (last_block - blk >= NV) {
-      packed_tile<MR, NV>(p.x + m * p.K, p.K, p.K, w, p.K * kLanes, codes, p.R, b, first, bias, p.y + m * p.N + n,
-                          p.N, p.N - n);
+      p.template tile<MR, NV>(m, blk, codes, first);
       blk += NV;
     } else {
-      packed_tile<MR, 1>(p.x + m * p.K, p.K, p.K, w, p.K * kLanes, codes, p.R, b, first, bias, p.y + m * p.N + n,
-                         p.N, p.N - n);
+      p.template tile<MR, 1>(m, blk, codes, first);
       blk += 1;
     }
   }
@@ -231,8 +250,8 @@ void check_packed(const at::Tensor& t, const char* name, int64_t blocks, int64_t
               " CPU tensor of pack_columns' layout [", blocks, ", ", K, ", 16]");
 }
 
-template <class B>
-void run_product(const Product<B>& product, int64_t blocks) {
+template <class P>
+void run_product(const P& product, int64_t blocks) {
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) { rows_times_blocks(product, b0, b1); });
 }
 
@@ -503,6 +522,140 @@ at::Tensor packed_row_linear_bf16_tail(const at::Tensor& x, const at::Tensor& pa
   });
   return y;
 }
+// Bfloat16 weights (a bfloat16 model), packed by columns as pairs: [N/16, K/2, 16, 2], lane l of pair step s holding
+// (w[n, 2s], w[n, 2s + 1]) for the block's 16 outputs n, so one 64-byte line is one step of a block and vdpbf16ps
+// adds both products to each output's float32 sum: the row's input pair (x[2s], x[2s + 1]) is one broadcast 32-bit
+// value, read straight from the bfloat16 input. Half the bytes of the float32 layout, the same sweep; each output
+// sums its pairs in order of s (the instruction's own rounding, to nearest even), adds the bias and is rounded
+// once to bfloat16, so as for float32 a row's bits do not depend on the row count.
+
+// bfloat16 w [N, K] -> [ceil(N / 16), ceil(K / 2), 16, 2], zeros past N and K.
+at::Tensor pack_column_pairs(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.device().is_cpu() && w.is_contiguous() && w.scalar_type() == at::kBFloat16,
+              "pack_column_pairs: weight must be a contiguous [N, K] bfloat16 CPU tensor");
+  const int64_t N = w.size(0), K = w.size(1), steps = (K + 1) / 2, blocks = (N + kLanes - 1) / kLanes;
+  at::Tensor packed = at::zeros({blocks, steps, kLanes, 2}, w.options());
+  const auto* s = w.data_ptr<c10::BFloat16>();
+  auto* d = packed.data_ptr<c10::BFloat16>();
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t lane = 0; lane < kLanes && b * kLanes + lane < N; ++lane) {
+        const c10::BFloat16* row = s + (b * kLanes + lane) * K;
+        c10::BFloat16* out = d + b * steps * 2 * kLanes + lane * 2;
+        for (int64_t k = 0; k < K; ++k) out[(k / 2) * 2 * kLanes + (k & 1)] = row[k];
+      }
+  });
+  return packed;
+}
+
+// One tile: MR rows of bfloat16 pairs (stride ldp) against NV pair-packed column blocks (`block` pairs apart), rows
+// from `first` on also with their codes z against NV packed lora_b blocks; float32 (the codes) or bfloat16 out.
+template <int MR, int NV, class B, class Y>
+inline void pair_tile(const uint32_t* x, int64_t ldp, int64_t steps, const uint32_t* w, int64_t block,
+                      const float* z, int64_t R, const B* b, int first, const float* bias, Y* y, int64_t ldy,
+                      int64_t valid) {
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; ++s) {
+    __m512i wv[NV];
+    for (int v = 0; v < NV; ++v) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + v * block + (s + kPrefetchSteps) * kLanes), _MM_HINT_T1);
+      wv[v] = _mm512_loadu_si512(w + v * block + s * kLanes);
+    }
+    for (int i = 0; i < MR; ++i) {
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(x[i * ldp + s]));
+      for (int v = 0; v < NV; ++v)
+        acc[i][v] = _mm512_dpbf16_ps(acc[i][v], reinterpret_cast<const __m512bh&>(wv[v]),
+                                     reinterpret_cast<const __m512bh&>(a));
+    }
+  }
+  finish_tile<MR, NV>(acc, z, R, b, first, bias, y, ldy, valid);
+}
+
+template <class B, class Y>
+struct PairProduct {
+  const uint32_t* x;  // [M, ldp] bfloat16 pairs
+  int64_t ldp, M, K, steps;
+  const uint32_t* w;  // pair-packed [blocks, steps, 16] (32 bits a lane)
+  int64_t N;
+  const float* bias;
+  const float* z;  // the tail rows' codes [M - tail, R], or null
+  const B* b;      // packed lora_b [blocks, R, 16], bfloat16
+  int64_t R, tail;
+  Y* y;  // [M, N]
+
+  template <int MR, int NV>
+  void tile(int64_t m, int64_t blk, const float* codes, int first) const {
+    const int64_t n = blk * kLanes;
+    pair_tile<MR, NV>(x + m * ldp, ldp, steps, w + blk * steps * kLanes, steps * kLanes, codes, R,
+                      codes ? b + blk * R * kLanes : nullptr, first, bias ? bias + n : nullptr, y + m * N + n, N, N - n);
+  }
+};
+
+void check_pairs(const at::Tensor& t, const char* name, int64_t blocks, int64_t steps) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 4 &&
+                  t.size(0) == blocks && t.size(1) == steps && t.size(2) == kLanes && t.size(3) == 2,
+              "packed_pair_linear: ", name, " must be a contiguous bfloat16 CPU tensor of pack_column_pairs' layout [",
+              blocks, ", ", steps, ", 16, 2]");
+}
+
+// y = x @ wᵀ (+ bias) for bfloat16 x [M, K] and w packed by pack_column_pairs, rounded once to bfloat16; rows from
+// tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ, with lora_a [R, K] packed by pack_column_pairs and lora_b [N, R] by
+// pack_columns (both bfloat16; the codes and the update in float32).
+at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
+                              const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
+              "packed_pair_linear: x must be a contiguous [M, K] bfloat16 CPU tensor");
+  TORCH_CHECK(N > 0, "packed_pair_linear: N must be positive");
+  const int64_t M = x.size(0), K = x.size(1), steps = (K + 1) / 2, blocks = (N + kLanes - 1) / kLanes;
+  check_pairs(packed, "weight", blocks, steps);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  // An odd K: each row padded with a zero (the packed weight has zeros there too).
+  std::vector<uint32_t> padded;
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
+  if (K % 2) {
+    padded.assign(M * steps, 0);
+    const auto* src = x.data_ptr<c10::BFloat16>();
+    for (int64_t i = 0; i < M; ++i)
+      std::copy(src + i * K, src + (i + 1) * K, reinterpret_cast<c10::BFloat16*>(padded.data() + i * steps));
+    pairs = padded.data();
+  }
+  std::vector<float> bias_values;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() && bias->numel() == N,
+                "packed_pair_linear: bias must be N contiguous bfloat16 values");
+    const auto* values = bias->data_ptr<c10::BFloat16>();
+    bias_values.assign(values, values + N);
+  }
+  const float* bias_data = bias_values.empty() ? nullptr : bias_values.data();
+  const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
+  int64_t R = 0;
+  std::vector<float> z;
+  const c10::BFloat16* b = nullptr;
+  if (lora_a.has_value() && tail < M) {
+    TORCH_CHECK(lora_b.has_value(), "packed_pair_linear: lora_a needs lora_b");
+    R = lora_b->dim() == 3 ? lora_b->size(1) : 0;
+    TORCH_CHECK(lora_b->scalar_type() == at::kBFloat16 && lora_b->is_contiguous() && lora_b->dim() == 3 &&
+                    lora_b->size(0) == blocks && lora_b->size(2) == kLanes,
+                "packed_pair_linear: lora_b must be a contiguous bfloat16 CPU tensor of pack_columns' layout [",
+                blocks, ", R, 16]");
+    check_pairs(*lora_a, "lora_a", (R + kLanes - 1) / kLanes, steps);
+    z.resize((M - tail) * R);  // the codes: a product of its own, too small to share among threads
+    rows_times_blocks(PairProduct<float, float>{pairs + tail * steps, steps, M - tail, K, steps,
+                                                reinterpret_cast<const uint32_t*>(lora_a->data_ptr<c10::BFloat16>()), R,
+                                                nullptr, nullptr, nullptr, 0, M - tail, z.data()},
+                      0, (R + kLanes - 1) / kLanes);
+    b = lora_b->data_ptr<c10::BFloat16>();
+  }
+  run_product(PairProduct<c10::BFloat16, c10::BFloat16>{
+                  pairs, steps, M, K, steps, reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>()), N,
+                  bias_data, z.empty() ? nullptr : z.data(), b, R, tail, y.data_ptr<c10::BFloat16>()},
+              blocks);
+  return y;
+}
 #endif  // bfloat16
 
 }  // namespace
@@ -517,6 +670,10 @@ HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
   m.def("packed_row_linear_bf16_tail(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",
         &packed_row_linear_bf16_tail);
+  m.def("pack_column_pairs(Tensor weight) -> Tensor", &pack_column_pairs);
+  m.def("packed_pair_linear(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
+        "int tail_start) -> Tensor",
+        &packed_pair_linear);
 #endif
 }
 
