@@ -1,13 +1,15 @@
-"""Variants of the column-packed float32 kernel (``packed_rows.cpp``) against each other, in one process.
+"""Variants of the column-packed kernel (``packed_rows.cpp``) against each other, in one process.
 
     python benchmarks/packed_variants.py OLD.cpp hf_tidar/cpu/packed_rows.cpp --rows 1 4 8 10 12 16 --rounds 12
+    python benchmarks/packed_variants.py OLD.cpp hf_tidar/cpu/packed_rows.cpp --dtype bfloat16   # pairs
 
 Timing two builds in two processes on a shared VM mixes the change with the machine's drift (10-30% between
 runs here). Each source given is built as its own operator library, so all of them load side by side; the
 products of four SmolLM2 layers (7 linears each, cold weights: a 96 MB buffer is touched before every layer)
 then run variant after variant within every round. Prints the median µs per layer by row count. With
 ``--lora-rank R --mask-rows T`` each product also adds a LoRA update (float16 factors of rank R, as the shipped
-adapter's lean form) to its last T rows, as a TiDAR pass does on its ``[MASK]`` rows.
+adapter's lean form) to its last T rows, as a TiDAR pass does on its ``[MASK]`` rows. ``--dtype bfloat16`` times
+the bfloat16 product on weights packed as pairs (``packed_pair_linear``; bfloat16 factors), on the AVX-512 BF16 build.
 """
 
 from __future__ import annotations
@@ -46,7 +48,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--lora-rank", type=int, default=0, help="a LoRA update of this rank on the last rows")
     parser.add_argument("--mask-rows", type=int, default=0, help="how many of the last rows get it (at most --rows)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     model, _ = load_smollm2()
     with tempfile.TemporaryDirectory() as folder:
@@ -55,13 +59,17 @@ def main() -> None:
             variant_folder = Path(folder) / str(index)
             variant_folder.mkdir()
             ops.append(build(source, index, variant_folder))
-        layers = [[model.model.layers[layer].get_submodule(name).weight.detach().contiguous() for name in LINEARS]
-                  for layer in LAYERS]
-        packed = [[[op.pack_columns(w) for w in layer] for layer in layers] for op in ops]
-        factors = [[(torch.randn(args.lora_rank, w.shape[1]).half(), torch.randn(w.shape[0], args.lora_rank).half())
-                    for w in layer] for layer in layers] if args.lora_rank else None
-        packed_factors = [[[(op.pack_columns(a), op.pack_columns(b)) for a, b in layer] for layer in factors]
-                          for op in ops] if factors else None
+        layers = [[model.model.layers[layer].get_submodule(name).weight.detach().to(dtype).contiguous()
+                   for name in LINEARS] for layer in LAYERS]
+        pairs = dtype == torch.bfloat16
+        factor_dtype = torch.bfloat16 if pairs else torch.float16
+        packed = [[[(op.pack_column_pairs if pairs else op.pack_columns)(w) for w in layer] for layer in layers]
+                  for op in ops]
+        factors = [[(torch.randn(args.lora_rank, w.shape[1]).to(factor_dtype),
+                     torch.randn(w.shape[0], args.lora_rank).to(factor_dtype)) for w in layer]
+                   for layer in layers] if args.lora_rank else None
+        packed_factors = [[[((op.pack_column_pairs if pairs else op.pack_columns)(a), op.pack_columns(b))
+                            for a, b in layer] for layer in factors] for op in ops] if factors else None
         flush = torch.randn(96 << 18)
         seconds = {(v, rows): [] for v in range(len(ops)) for rows in args.rows}
         for _ in range(args.rounds):
@@ -69,15 +77,17 @@ def main() -> None:
                 tail = rows - min(args.mask_rows, rows) if factors else rows
                 for v, op in enumerate(ops):
                     for index, (layer, weights) in enumerate(zip(layers, packed[v], strict=True)):
-                        inputs = [torch.randn(rows, w.shape[1]) for w in layer]
+                        inputs = [torch.randn(rows, w.shape[1]).to(dtype) for w in layer]
+                        multiply = op.packed_pair_linear if pairs else op.packed_row_linear
                         lora = packed_factors[v][index] if factors else [(None, None)] * len(layer)
                         flush.mul_(1.0001)
                         start = time.perf_counter()
                         for w, p, x, (a, b) in zip(layer, weights, inputs, lora, strict=True):
-                            op.packed_row_linear(x, p, w.shape[0], None, a, b, tail)
+                            multiply(x, p, w.shape[0], None, a, b, tail)
                         seconds[(v, rows)].append(time.perf_counter() - start)
     lora = f", LoRA rank {args.lora_rank} on the last {args.mask_rows} rows" if factors else ""
-    print(f"{args.threads} threads, {args.rounds} rounds, median µs per layer (7 products), cold weights{lora}")
+    print(f"{args.dtype}, {args.threads} threads, {args.rounds} rounds, median µs per layer (7 products), cold "
+          f"weights{lora}")
     print("| source | " + " | ".join(f"{rows} rows" for rows in args.rows) + " |")
     print("|---|" + "---|" * len(args.rows))
     for v, source in enumerate(args.sources):

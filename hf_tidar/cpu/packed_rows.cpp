@@ -183,7 +183,7 @@ struct Product {
 // Rows m..m+MR-1 of `p` against column blocks [first_block, last_block), NV at a time.
 template <int MR, class P>
 void row_tile(const P& p, int64_t m, int64_t first_block, int64_t last_block) {
-  constexpr int NV = columns_for<MR>();
+  constexpr int NV = columns_for<MR>();  // pairs: the same register budget
   const int first = p.z ? int(std::clamp<int64_t>(p.tail - m, 0, MR)) : MR;
   const float* codes = p.z && first < MR ? p.z + (m + first - p.tail) * p.R : nullptr;
   for (int64_t blk = first_block; blk < last_block;) {
