@@ -2,6 +2,7 @@
 
     python benchmarks/kernel_rows.py --threads 2 [--isa avx2] [--dtype bfloat16] [--repeats 300] [--against OLD.cpp]
     python benchmarks/kernel_rows.py --threads 2 --packed   # the column-packed product against few_rows.cpp's
+    python benchmarks/kernel_rows.py --threads 2 --packed --dtype bfloat16   # bfloat16 packed as pairs
 
 Each product reads its weight cold, from a pool of distinct copies of 256 MB (as a forward pass reads a
 layer's weights); a row count ``M`` with tail ``t`` is ``M`` rows of which rows ``t..M-1`` get a rank-16 LoRA
@@ -10,7 +11,8 @@ machine drift hits them alike; medians over ``--repeats`` rounds. ``--against`` 
 ``few_rows.cpp`` (``git show REV:hf_tidar/cpu/few_rows.cpp > OLD.cpp``) and times it in the same rounds,
 call for call beside this one: separate runs of this script drift by up to 30% on a shared VM. ``--packed``
 times the float32 product on column-packed weights (``packed_rows.cpp``, AVX-512 builds) as "this" and
-``few_rows.cpp``'s product on the same weights as "against" (each pool copy packed once beforehand).
+``few_rows.cpp``'s product on the same weights as "against" (each pool copy packed once beforehand); with
+``--dtype bfloat16``, the bfloat16 product on weights packed as pairs (the AVX-512 BF16 build).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 
 import torch
 
-from hf_tidar.cpu.kernel import _cflags, built_kernel, cpu_flags, kernel_isa, packed_row_kernel
+from hf_tidar.cpu.kernel import _cflags, built_kernel, cpu_flags, kernel_isa, packed_pair_kernel, packed_row_kernel
 
 SHAPES = ((1536, 576), (576, 1536), (576, 576), (192, 576))
 """SmolLM2-135M's linears (out x in): gate/up, down, q/o, k/v."""
@@ -46,10 +48,19 @@ def other_build(source: str, isa: str):
     return getattr(torch.ops, f"hf_tidar_cpu_other_{isa}").few_row_linear
 
 
-def packed_op():
-    """The column-packed product with few_row_linear's call shape, on weights (with their row count) and factors
+def packers(dtype: torch.dtype) -> tuple:
+    """``(pack weight and lora_a, pack lora_b, multiply)`` of the packed product for ``dtype``."""
+    if dtype == torch.bfloat16:
+        pack, multiply, pack_columns = packed_pair_kernel()
+        return pack, pack_columns, multiply
+    pack, multiply = packed_row_kernel()
+    return pack, pack, multiply
+
+
+def packed_op(dtype: torch.dtype):
+    """The packed product with few_row_linear's call shape, on weights (with their row count) and factors
     packed beforehand by :func:`time_shape`."""
-    _, multiply = packed_row_kernel()
+    multiply = packers(dtype)[2]
 
     def op(x, packed, bias, lora_a, lora_b, tail):
         return multiply(x, packed[0], packed[1], bias, lora_a, lora_b, tail)
@@ -65,9 +76,9 @@ def time_shape(ops: dict, out_features: int, in_features: int, dtype: torch.dtyp
     lora_b = (torch.randn(out_features, 16) * 0.01).to(dtype)
     weights, factors = {}, {}
     for name in ops:  # the packed product ("this" with --packed) takes packed weights (with their row count) and factors
-        pack = packed_row_kernel()[0] if packed and name == "this" else None
+        pack, pack_b, _ = packers(dtype) if packed and name == "this" else (None, None, None)
         weights[name] = [(pack(w), out_features) if pack else w for w in pool]
-        factors[name] = (pack(lora_a), pack(lora_b)) if pack else (lora_a, lora_b)
+        factors[name] = (pack(lora_a), pack_b(lora_b)) if pack else (lora_a, lora_b)
     inputs = {case: torch.randn(case[0], in_features).to(dtype) for case in CASES}
     seconds = {(name, case): [] for name in ops for case in CASES}
     turn = 0
@@ -91,17 +102,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=300)
     parser.add_argument("--against", default=None, help="another few_rows.cpp to time beside this one")
     parser.add_argument("--packed", action="store_true",
-                        help="time the column-packed float32 product (packed_rows.cpp) against few_rows.cpp's")
+                        help="time the column-packed product (packed_rows.cpp) against few_rows.cpp's")
     args = parser.parse_args()
-    if args.packed and (args.against or args.dtype != "float32" or packed_row_kernel() is None):
-        parser.error("--packed times the float32 packed product of an AVX-512 build against few_rows.cpp (no --against)")
+    packed_here = packed_row_kernel() if args.dtype == "float32" else packed_pair_kernel()
+    if args.packed and (args.against or packed_here is None):
+        parser.error("--packed times the packed product of an AVX-512 build (bfloat16: AVX-512 BF16) against "
+                     "few_rows.cpp (no --against)")
     torch.set_num_threads(args.threads)
     isa = args.isa or kernel_isa()
     ops, dtype = {"this": built_kernel(isa)}, getattr(torch, args.dtype)
     if args.against:
         ops["against"] = other_build(args.against, isa)
     if args.packed:
-        ops = {"this": packed_op(), "against": built_kernel(isa)}
+        ops = {"this": packed_op(dtype), "against": built_kernel(isa)}
     flags = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in cpu_flags())
     print(f"{platform.machine()}, flags {flags}; torch {torch.__version__}, {args.threads} threads; build {isa}, "
           f"{args.dtype}; median µs over {args.repeats} rounds, cold weights"
