@@ -207,6 +207,18 @@ def test_enable_packs_bfloat16_linears_as_pairs_and_greedy_tidar_there_equals_ar
     assert not measured.is_packed(model)
 
 
+@needs_pairs
+def test_bfloat16_pairs_add_a_qwen_projections_bias():
+    model = cpu.enable(tiny_ar_model("qwen2", vocab_size=40).to(torch.bfloat16))
+    layer = model.model.layers[0].self_attn.q_proj
+    assert layer.bias is not None and isinstance(layer.exact_op, ColumnPackedProduct)
+    x = torch.randn(1, 6, layer.in_features).bfloat16()
+    with torch.no_grad():
+        out = layer(x)
+        _assert_bfloat16_rounding_of(out[0], _pair_reference(x[0], layer.weight, layer.bias))
+        assert torch.equal(out[:, 2:3], layer(x[:, 2:3]))
+
+
 @needs_packed
 def test_the_product_follows_weight_changes_and_refuses_bad_layouts():
     pack, multiply = packed_row_kernel()
