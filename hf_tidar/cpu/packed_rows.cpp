@@ -20,6 +20,9 @@
 //
 // packed_row_linear_bf16_tail (the AVX-512 BF16 build) takes the tail rows in bfloat16 instead: they are drafts,
 // which verification never trusts, and vdpbf16ps does two of their products per instruction (see mixed_tile).
+//
+// packed_pair_linear (the AVX-512 BF16 build) is the same sweep for bfloat16 weights (a bfloat16 model), packed
+// by pack_column_pairs as [N/16][K/2][16][2] so that vdpbf16ps takes each output's pair of weights (see pair_tile).
 
 #ifdef __AVX512F__
 
