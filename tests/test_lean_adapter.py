@@ -102,6 +102,33 @@ def test_on_the_kernel_the_update_is_fused_and_clean_rows_stay_the_base_models(d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_passs_short_path_makes_one_kernel_call_per_linear_with_the_bits_of_the_checked_path(dtype, tmp_path,
+                                                                                              monkeypatch):
+    if few_row_kernel(dtype) is None:
+        pytest.skip(f"no few-row kernel for {dtype} here (float32: AVX2 + FMA; bfloat16: AVX-512 BF16; a compiler)")
+    _, lean, _ = _gated_pair(dtype)
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    cpu.enable(lean)
+    adapted = [m for m in lean.modules() if isinstance(m, lean_module.TailLoraLinear)]
+    assert adapted and all(m.__dict__.get("exact_op") is not None for m in adapted)
+    calls = []
+    for module in adapted:  # count the calls that take the short path, with LoRA factors
+        op = module.exact_op
+        module.exact_op = lambda x, w, b, a, f, tail, op=op: calls.append((x.shape[0], tail, a is not None)) or op(
+            x, w, b, a, f, tail)
+    ids = counting_batch(1, 10, VOCAB, torch.Generator().manual_seed(1))
+    x = _doubled(ids, lean.config.mask_token_id)
+    layout = tidar_training_layout(torch.ones_like(ids), BLOCK)
+    with torch.no_grad():
+        short = lean.structured_hidden_states(x, layout, mask_tail_start=10)
+        assert calls == [(20, 10, True)] * len(adapted)
+        for module in adapted:
+            del module.exact_op  # the checked path: the plan, the weight's dtype, the kernel
+        checked = lean.structured_hidden_states(x, layout, mask_tail_start=10)
+    assert torch.equal(short, checked)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_batch_takes_one_fused_call_per_linear_and_each_sequence_keeps_its_own_bits(dtype, tmp_path, monkeypatch):
     """A batch's [MASK] rows are a tail of each sequence, not of the batch: the kernel takes every sequence's clean
     rows and then every [MASK] row in one call, and each sequence's states are bit for bit those it gets alone."""

@@ -44,7 +44,7 @@ class TailLoraLinear(nn.Linear):
             return linear_forward(self, x)
         one_sequence = x.dim() == 3 and x.shape[0] == 1
         if x.dim() == 3 and not torch.is_grad_enabled():
-            fused = self._fused_forward(x, start)
+            fused = few_rows_lora_forward(self, x, start) if one_sequence else self._fused_forward(x, start)
             if fused is not None:  # the measured path's kernel did base product and update in one call
                 return fused
         out = linear_forward(self, x)
@@ -58,7 +58,8 @@ class TailLoraLinear(nn.Linear):
         return out
 
     def _fused_forward(self, x: torch.Tensor, start: int) -> torch.Tensor | None:
-        """The measured path's one kernel call for base product and update (``None`` where it does not run).
+        """A batch's one kernel call for base product and update (``None`` where it does not run; one sequence calls
+        :func:`few_rows_lora_forward` itself).
 
         A batch's ``[MASK]`` rows are a tail of each sequence, not of the batch: the kernel gets every sequence's
         clean rows, then every ``[MASK]`` row, and the outputs go back in place. The kernel gives a row the same
@@ -67,8 +68,6 @@ class TailLoraLinear(nn.Linear):
         (benchmarks/adapter_cost.py --batch-size 4).
         """
         batch, length, features = x.shape
-        if batch == 1:
-            return few_rows_lora_forward(self, x, start)
         order, back = _tail_last_order(batch, length, start)
         rows = x.reshape(batch * length, features).index_select(0, order)
         flat = few_rows_lora_forward(self, rows[None], batch * start)

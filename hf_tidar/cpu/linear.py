@@ -320,8 +320,17 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     bits whatever the row count. Called once per adapted linear per pass, so it checks only what can differ.
     """
     state = module.__dict__
-    kernel = state.get("few_row_op")
     rows = x.shape[-2]
+    exact = state.get("exact_op")
+    if exact is not None:  # the usual pass (every row count on the kernel, no bfloat16 drafts): the same checks as
+        params, buffers = state["_parameters"], state["_buffers"]  # linear_forward's short path, about 1 µs less
+        weight = params.get("weight")
+        if weight is not None and 0 < rows <= state["exact_rows"] and x.dtype == weight.dtype == state["plan_dtype"] \
+                and x.is_cpu:
+            lora_a, lora_b = state.get("kernel_factors") or (buffers["lora_a"], buffers["lora_b"])
+            return exact(_flat_rows(x, rows), weight, params["bias"], lora_a, lora_b, tail_start).view(
+                1, rows, module.out_features)
+    kernel = state.get("few_row_op")
     weight, bias = _weight_and_bias(module)
     if kernel is None or not _plan_covers(state, weight, x, rows):
         return None
