@@ -128,21 +128,11 @@ def test_bfloat16_draft_rows_on_packed_weights_keep_the_clean_rows_bits(out_feat
         assert not torch.equal(got[tail:], want[tail:])  # they did go through bfloat16
 
 
-def _pair_reference(x, weight, bias=None, lora_a=None, lora_b=None, tail=None):
-    """A bfloat16 product in float64 (bfloat16 inputs and weights are exact there), for comparison after the
-    kernel's one rounding to bfloat16."""
-    out = x.double() @ weight.double().T
-    if bias is not None:
-        out += bias.double()
-    if lora_a is not None:
-        out[tail:] += (x[tail:].double() @ lora_a.double().T) @ lora_b.double().T
-    return out
-
-
 def _assert_bfloat16_rounding_of(got, reference):
-    """``got`` is ``reference`` rounded to bfloat16, up to float32 summation: within one bfloat16 step (2^-8
-    relative) of each value."""
+    """``got`` is ``reference`` (:func:`_reference` of bfloat16 inputs, exact in float64) rounded to bfloat16, up to
+    float32 summation: within one bfloat16 step (2^-8 relative) of each value."""
     assert got.dtype == torch.bfloat16
+    reference = reference.double()
     error = (got.double() - reference).abs()
     assert bool((error <= 2.0**-8 * reference.abs() + 1e-3).all()), float(error.max())
 
@@ -160,7 +150,7 @@ def test_bfloat16_weights_packed_as_pairs_give_the_linear_and_a_rows_bits_whatev
     packed = pack(weight)
     assert packed.shape == ((out_features + 15) // 16, (in_features + 1) // 2, 16, 2)
     got = multiply(x, packed, out_features, bias, None, None, rows)
-    _assert_bfloat16_rounding_of(got, _pair_reference(x, weight, bias))
+    _assert_bfloat16_rounding_of(got, _reference(x, weight, bias))
     for row in range(rows):  # each row alone, as a one-row AR step computes it: the same bits
         assert torch.equal(multiply(x[row:row + 1].contiguous(), packed, out_features, bias, None, None, 1),
                            got[row:row + 1])
@@ -178,7 +168,7 @@ def test_the_lora_tail_on_bfloat16_pairs_is_added_to_the_tail_rows_only(rank, ro
     x = torch.randn(rows, 24, generator=generator).bfloat16()
     plain = multiply(x, pack(weight), 200, None, None, None, rows)
     got = multiply(x, pack(weight), 200, None, pack(lora_a), pack_columns(lora_b), tail)
-    _assert_bfloat16_rounding_of(got, _pair_reference(x, weight, None, lora_a, lora_b, tail))
+    _assert_bfloat16_rounding_of(got, _reference(x, weight, None, lora_a, lora_b, tail))
     assert torch.equal(got[:tail], plain[:tail])  # clean rows: the base product, bit for bit
     if tail < rows:
         assert not torch.equal(got[tail:], plain[tail:])
@@ -194,7 +184,7 @@ def test_enable_packs_bfloat16_linears_as_pairs_and_greedy_tidar_there_equals_ar
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(1, 9, layer.in_features).bfloat16()
     with torch.no_grad():
-        _assert_bfloat16_rounding_of(layer(x)[0], _pair_reference(x[0], layer.weight))
+        _assert_bfloat16_rounding_of(layer(x)[0], _reference(x[0], layer.weight))
         assert torch.equal(layer(x)[:, 4:5], layer(x[:, 4:5]))  # a row's bits, pass or step
     prompts = torch.tensor([[3, 4, 5, 6, 7], [9, 10, 11, 12, 13]])
     settings = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -215,7 +205,7 @@ def test_bfloat16_pairs_add_a_qwen_projections_bias():
     x = torch.randn(1, 6, layer.in_features).bfloat16()
     with torch.no_grad():
         out = layer(x)
-        _assert_bfloat16_rounding_of(out[0], _pair_reference(x[0], layer.weight, layer.bias))
+        _assert_bfloat16_rounding_of(out[0], _reference(x[0], layer.weight, layer.bias))
         assert torch.equal(out[:, 2:3], layer(x[:, 2:3]))
 
 

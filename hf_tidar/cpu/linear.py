@@ -268,6 +268,18 @@ def _flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return x.view(rows, x.shape[-1]) if x.is_contiguous() else x.reshape(rows, x.shape[-1]).contiguous()
 
 
+def _exact_product(state: dict, x: torch.Tensor, rows: int, lora_a: torch.Tensor | None,
+                   lora_b: torch.Tensor | None, tail_start: int) -> torch.Tensor | None:
+    """A linear's product of ``rows`` rows of ``x`` (outside autograd, on the CPU) on its ``exact_op`` (see
+    :func:`_give_exact_ops`: every row count on the kernel), the rows from ``tail_start`` on with the LoRA factors;
+    ``None`` where this call's rows or dtypes are not the operator's. Checks only what can differ between calls."""
+    params = state["_parameters"]
+    weight = params.get("weight")
+    if weight is None or not 0 < rows <= state["exact_rows"] or not x.dtype == weight.dtype == state["plan_dtype"]:
+        return None
+    return state["exact_op"](_flat_rows(x, rows), weight, params["bias"], lora_a, lora_b, tail_start)
+
+
 def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``module``'s product by its measured path when :func:`enable` gave it one, else ``F.linear``.
 
@@ -276,14 +288,12 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     step, so it checks only what can differ between calls.
     """
     state = module.__dict__
-    exact = state.get("exact_op")
-    if exact is not None and not torch.is_grad_enabled() and x.is_cpu:  # the usual decode step, checked first
-        params = state["_parameters"]
-        weight, features = params.get("weight"), x.shape[-1]
+    if state.get("exact_op") is not None and not torch.is_grad_enabled() and x.is_cpu:  # the usual step, checked first
+        features = x.shape[-1]
         rows = x.numel() // features if features else 0
-        if weight is not None and 0 < rows <= state["exact_rows"] and x.dtype == weight.dtype == state["plan_dtype"]:
-            return exact(_flat_rows(x, rows), weight, params["bias"], None, None, rows).view(
-                *x.shape[:-1], module.out_features)
+        out = _exact_product(state, x, rows, None, None, rows)
+        if out is not None:
+            return out.view(*x.shape[:-1], module.out_features)
     weight, bias = _weight_and_bias(module)
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
@@ -321,15 +331,12 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     """
     state = module.__dict__
     rows = x.shape[-2]
-    exact = state.get("exact_op")
-    if exact is not None:  # the usual pass (every row count on the kernel, no bfloat16 drafts): the same checks as
-        params, buffers = state["_parameters"], state["_buffers"]  # linear_forward's short path, about 1 µs less
-        weight = params.get("weight")
-        if weight is not None and 0 < rows <= state["exact_rows"] and x.dtype == weight.dtype == state["plan_dtype"] \
-                and x.is_cpu:
-            lora_a, lora_b = state.get("kernel_factors") or (buffers["lora_a"], buffers["lora_b"])
-            return exact(_flat_rows(x, rows), weight, params["bias"], lora_a, lora_b, tail_start).view(
-                1, rows, module.out_features)
+    if state.get("exact_op") is not None and x.is_cpu:  # the usual pass: linear_forward's short path, about 1 µs less
+        buffers = state["_buffers"]
+        lora_a, lora_b = state.get("kernel_factors") or (buffers["lora_a"], buffers["lora_b"])
+        out = _exact_product(state, x, rows, lora_a, lora_b, tail_start)
+        if out is not None:
+            return out.view(1, rows, module.out_features)
     kernel = state.get("few_row_op")
     weight, bias = _weight_and_bias(module)
     if kernel is None or not _plan_covers(state, weight, x, rows):

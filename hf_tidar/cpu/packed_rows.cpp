@@ -551,10 +551,11 @@ at::Tensor pack_column_pairs(const at::Tensor& w) {
   return packed;
 }
 
-// One tile: MR rows of bfloat16 pairs (stride ldp) against NV pair-packed column blocks (`block` pairs apart), rows
-// from `first` on also with their codes z against NV packed lora_b blocks; float32 (the codes) or bfloat16 out.
+// One tile: MR rows of bfloat16 pairs (`steps` pairs a row) against NV pair-packed column blocks (`block` pairs
+// apart), rows from `first` on also with their codes z against NV packed lora_b blocks; float32 (the codes) or
+// bfloat16 out.
 template <int MR, int NV, class B, class Y>
-inline void pair_tile(const uint32_t* x, int64_t ldp, int64_t steps, const uint32_t* w, int64_t block,
+inline void pair_tile(const uint32_t* x, int64_t steps, const uint32_t* w, int64_t block,
                       const float* z, int64_t R, const B* b, int first, const float* bias, Y* y, int64_t ldy,
                       int64_t valid) {
   __m512 acc[MR][NV];
@@ -567,7 +568,7 @@ inline void pair_tile(const uint32_t* x, int64_t ldp, int64_t steps, const uint3
       wv[v] = _mm512_loadu_si512(w + v * block + s * kLanes);
     }
     for (int i = 0; i < MR; ++i) {
-      const __m512i a = _mm512_set1_epi32(static_cast<int>(x[i * ldp + s]));
+      const __m512i a = _mm512_set1_epi32(static_cast<int>(x[i * steps + s]));
       for (int v = 0; v < NV; ++v)
         acc[i][v] = _mm512_dpbf16_ps(acc[i][v], reinterpret_cast<const __m512bh&>(wv[v]),
                                      reinterpret_cast<const __m512bh&>(a));
@@ -578,8 +579,8 @@ inline void pair_tile(const uint32_t* x, int64_t ldp, int64_t steps, const uint3
 
 template <class B, class Y>
 struct PairProduct {
-  const uint32_t* x;  // [M, ldp] bfloat16 pairs
-  int64_t ldp, M, K, steps;
+  const uint32_t* x;  // [M, steps] bfloat16 pairs (an odd K's rows padded with a zero)
+  int64_t M, K, steps;
   const uint32_t* w;  // pair-packed [blocks, steps, 16] (32 bits a lane)
   int64_t N;
   const float* bias;
@@ -591,7 +592,7 @@ struct PairProduct {
   template <int MR, int NV>
   void tile(int64_t m, int64_t blk, const float* codes, int first) const {
     const int64_t n = blk * kLanes;
-    pair_tile<MR, NV>(x + m * ldp, ldp, steps, w + blk * steps * kLanes, steps * kLanes, codes, R,
+    pair_tile<MR, NV>(x + m * steps, steps, w + blk * steps * kLanes, steps * kLanes, codes, R,
                       codes ? b + blk * R * kLanes : nullptr, first, bias ? bias + n : nullptr, y + m * N + n, N, N - n);
   }
 };
@@ -647,14 +648,14 @@ at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int
                 blocks, ", R, 16]");
     check_pairs(*lora_a, "lora_a", (R + kLanes - 1) / kLanes, steps);
     z.resize((M - tail) * R);  // the codes: a product of its own, too small to share among threads
-    rows_times_blocks(PairProduct<float, float>{pairs + tail * steps, steps, M - tail, K, steps,
+    rows_times_blocks(PairProduct<float, float>{pairs + tail * steps, M - tail, K, steps,
                                                 reinterpret_cast<const uint32_t*>(lora_a->data_ptr<c10::BFloat16>()), R,
                                                 nullptr, nullptr, nullptr, 0, M - tail, z.data()},
                       0, (R + kLanes - 1) / kLanes);
     b = lora_b->data_ptr<c10::BFloat16>();
   }
   run_product(PairProduct<c10::BFloat16, c10::BFloat16>{
-                  pairs, steps, M, K, steps, reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>()), N,
+                  pairs, M, K, steps, reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>()), N,
                   bias_data, z.empty() ? nullptr : z.data(), b, R, tail, y.data_ptr<c10::BFloat16>()},
               blocks);
   return y;
