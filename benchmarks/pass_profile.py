@@ -37,11 +37,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--rows", type=int, default=14, help="operators listed per table")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     ar, tokenizer = load_smollm2(quiet=True)
     model = load_tidar_adapter(ar, SHIPPED_ADAPTER, tokenizer=copy.deepcopy(tokenizer), lean=True)
-    cpu.enable(model)
+    cpu.enable(model.to(getattr(torch, args.dtype)))
     prefix = torch.randint(100, 20000, (1, PREFIX), generator=torch.Generator().manual_seed(0))
     cache = DraftCache(config=model.config)
     model(input_ids=prefix, cache=cache, use_cache=True, logits_to_keep=1)
@@ -56,7 +57,7 @@ def main() -> None:
             samples[name].append(call())
     ms = {name: statistics.median(values[2:]) * 1e3 for name, values in samples.items()}
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_bf16") if f in cpu_flags())
-    print(f"flags {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads; k = {k}, {args.groups} "
+    print(f"flags {flags}; torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}; k = {k}, {args.groups} "
           f"groups, {plan.query_len} rows: pass {ms['pass']:.1f} ms, AR step {ms['AR step']:.1f} ms, "
           f"{ms['pass'] / ms['AR step']:.2f}x (medians of {args.repeats})")
     for name, call in calls.items():

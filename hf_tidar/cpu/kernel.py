@@ -25,9 +25,10 @@ from ..assets import cache_root
 logger = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).with_name(name)
-                for name in ("few_rows.cpp", "packed_rows.cpp", "row_attention.cpp", "best_two.cpp", "rms_norm.cpp"))
+                for name in ("few_rows.cpp", "packed_rows.cpp", "row_attention.cpp", "best_two.cpp", "rms_norm.cpp",
+                             "rotary.cpp"))
 """The operator library's sources: the few-row matmul, its column-packed variant, the row-invariant attention,
-each row's best two tokens and Llama's RMSNorm over a step's rows."""
+each row's best two tokens, Llama's RMSNorm over a step's rows and the rotary position embedding."""
 
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     # name: (the CPU flags it needs, as /proc/cpuinfo spells them; the compiler flags that build it)
@@ -225,6 +226,13 @@ def rms_norm_kernel() -> Callable[..., torch.Tensor] | None:
     """``rms_norm_rows(x [..., D], weight [D], eps) -> y`` (``rms_norm.cpp``): Llama's RMSNorm over each row of a
     contiguous float32 or bfloat16 ``x``; ``None`` where the library cannot run here."""
     return _operator("rms_norm_rows")
+
+
+def rotary_kernel() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
+    """``rotary_embedding(q [B, H, S, D], k [B, Hkv, S, D], cos [B | 1, S, D], sin) -> (q_embed, k_embed)``
+    (``rotary.cpp``): transformers' ``apply_rotary_pos_emb`` for float32 or bfloat16 CPU tensors of one dtype, with
+    its bits; ``None`` where the library cannot run here."""
+    return _operator("rotary_embedding")
 
 
 def _operator(name: str, only_on: tuple[str, ...] | None = None) -> Callable | None:
