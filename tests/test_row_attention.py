@@ -32,13 +32,15 @@ def _inputs(dtype, batch=2, heads=9, kv_heads=3, queries=5, keys=20, dim=64, see
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [32, 64, 128, 24])  # the 16-keys-at-a-time builds and the scalar path
-def test_values_are_sdpas(dtype, dim):
-    q, k, v = _inputs(dtype, dim=dim)
+# query heads per key/value head: the value sums take up to 4 heads at a time (2 at dim 128)
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 1), (7, 1), (2, 2)])
+def test_values_are_sdpas(dtype, dim, heads, kv_heads):
+    q, k, v = _inputs(dtype, heads=heads, kv_heads=kv_heads, dim=dim)
     mask = torch.rand(2, 1, 5, 20, generator=torch.Generator().manual_seed(1)) > 0.4
     mask[..., 3] = True
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
     got = kernel(q, k, v, mask, dim**-0.5)
-    assert got.shape == (2, 5, 9, dim) and got.dtype == dtype
+    assert got.shape == (2, 5, heads, dim) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want.transpose(1, 2), **_tolerance(dtype))
     causal = torch.ones(5, 20, dtype=torch.bool).tril(15)  # no mask: row t sees keys up to t + S - T
     want = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=causal, enable_gqa=True)

@@ -7,8 +7,8 @@
 // appended, masked out for it) can get other bits than the same token in a one-row AR step. In float32
 // that changes a greedy choice almost never; in bfloat16, where logits often tie, it does. Here every
 // (batch, head, row) is one independent computation over its visible keys in increasing key order:
-// scores q·k_j in float32 (the same vectorised dot for every key), the max, exp and their sum in key
-// order, then the value sum in key order. With the row-invariant linears this makes greedy TiDAR equal
+// scores q·k_j in float32 (the same vectorised dot for every key), the max, exp and their sum in an order
+// fixed by the number of keys the row sees, then the value sum in key order. With the row-invariant linears this makes greedy TiDAR equal
 // AR bit for bit, in bfloat16 too.
 
 #include <immintrin.h>
@@ -162,30 +162,58 @@ void scores(const float* q, const T* keys, int64_t stride, const int64_t* seen, 
   }
 }
 
-// acc = sum over i < n, in order, of w[i] * value seen[i]; V = dim / 16 accumulators kept in registers.
-template <int V, class T>
-void weighted_values_fixed(const float* w, const T* values, int64_t stride, const int64_t* seen, int64_t n,
-                           float* acc) {
-  Floats16 sum[V];
-  for (int c = 0; c < V; ++c) sum[c] = Floats16{};
+// acc[r] = sum over i < n, in order, of w[r][i] * value seen[i], for the R heads r < R whose weights are rows of w
+// (stride w_stride) and whose sums go to acc + r * 16V: each value row is loaded once for all R heads, and every
+// head's sum takes the same instructions as alone. V = dim / 16; R * V accumulators kept in registers.
+template <int V, int R, class T>
+void weighted_values_fixed(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
+                           int64_t n, float* acc) {
+  Floats16 sum[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) sum[r][c] = Floats16{};
   for (int64_t i = 0; i < n; ++i) {
     const T* row = values + seen[i] * stride;
-    const Floats16 weight = Floats16{} + w[i];
-    for (int c = 0; c < V; ++c) sum[c] = fma16(weight, load16(row + 16 * c), sum[c]);
+    Floats16 value[V];
+    for (int c = 0; c < V; ++c) value[c] = load16(row + 16 * c);
+    for (int r = 0; r < R; ++r) {
+      const Floats16 weight = Floats16{} + w[r * w_stride + i];
+      for (int c = 0; c < V; ++c) sum[r][c] = fma16(weight, value[c], sum[r][c]);
+    }
   }
-  std::memcpy(acc, sum, sizeof(sum));
+  for (int r = 0; r < R; ++r) std::memcpy(acc + r * 16 * V, sum[r], sizeof(sum[r]));
 }
 
+// Up to 16 / V heads at a time (at most 4): their accumulators fit the registers.
+template <int V, class T>
+void weighted_values_heads(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
+                           int64_t n, int64_t heads, float* acc) {
+  constexpr int most = 16 / V < 4 ? 16 / V : 4;
+  for (int64_t r = 0; r < heads; r += most) {
+    const float* wr = w + r * w_stride;
+    float* ar = acc + r * 16 * V;
+    switch (heads - r < most ? heads - r : most) {
+      case 1: weighted_values_fixed<V, 1>(wr, w_stride, values, stride, seen, n, ar); break;
+      case 2: weighted_values_fixed<V, (most >= 2 ? 2 : 1)>(wr, w_stride, values, stride, seen, n, ar); break;
+      case 3: weighted_values_fixed<V, (most >= 3 ? 3 : 1)>(wr, w_stride, values, stride, seen, n, ar); break;
+      default: weighted_values_fixed<V, most>(wr, w_stride, values, stride, seen, n, ar);
+    }
+  }
+}
+
+// The weighted value sums of `heads` heads (weights: rows of w, stride w_stride; sums: rows of acc, dim apart).
 template <class T>
-void weighted_values(const float* w, const T* values, int64_t stride, const int64_t* seen, int64_t n, int64_t dim,
-                     float* acc) {
+void weighted_values(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
+                     int64_t n, int64_t dim, int64_t heads, float* acc) {
   switch (dim) {
-    case 32: return weighted_values_fixed<2>(w, values, stride, seen, n, acc);
-    case 64: return weighted_values_fixed<4>(w, values, stride, seen, n, acc);
-    case 128: return weighted_values_fixed<8>(w, values, stride, seen, n, acc);
+    case 32: return weighted_values_heads<2>(w, w_stride, values, stride, seen, n, heads, acc);
+    case 64: return weighted_values_heads<4>(w, w_stride, values, stride, seen, n, heads, acc);
+    case 128: return weighted_values_heads<8>(w, w_stride, values, stride, seen, n, heads, acc);
     default:
-      for (int64_t e = 0; e < dim; ++e) acc[e] = 0.0f;
-      for (int64_t i = 0; i < n; ++i) add_scaled(acc, w[i], values + seen[i] * stride, dim);
+      for (int64_t r = 0; r < heads; ++r) {
+        float* out = acc + r * dim;
+        for (int64_t e = 0; e < dim; ++e) out[e] = 0.0f;
+        for (int64_t i = 0; i < n; ++i) add_scaled(out, w[r * w_stride + i], values + seen[i] * stride, dim);
+      }
   }
 }
 
@@ -221,6 +249,39 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : out;
 }
 
+// The keys or values of one (batch, key/value head) as float32 rows of dim: the tensor's own rows for float32, a
+// widened copy in scratch for bfloat16 (exact), made once for every query row and head that reads them.
+inline const float* as_floats(const float* rows, int64_t /*stride*/, int64_t /*n*/, int64_t /*dim*/,
+                              std::vector<float>& /*scratch*/, int64_t& row_stride) {
+  return rows;  // row_stride stays the tensor's
+}
+inline const float* as_floats(const c10::BFloat16* rows, int64_t stride, int64_t n, int64_t dim,
+                              std::vector<float>& scratch, int64_t& row_stride) {
+  scratch.resize(n * dim);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t d = 0; d < dim; ++d) scratch[i * dim + d] = widen(rows[i * stride + d]);
+  row_stride = dim;
+  return scratch.data();
+}
+
+// w[0, n) = softmax(w[0, n)): the max (exact in any order), e^(w - max), their sum in 16 lanes over the keys
+// (lane i mod 16, then sum16's tree, then the last n mod 16 in order) and the division. The order depends on n
+// only: a row gets the same bits wherever it is computed.
+inline void softmax(float* w, int64_t n) {
+  float top = w[0];
+#pragma omp simd reduction(max : top)
+  for (int64_t i = 1; i < n; ++i) top = w[i] > top ? w[i] : top;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) w[i] = exp_nonpositive(w[i] - top);
+  Floats16 lanes{};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) lanes += load16(w + i);
+  float total = sum16(lanes);
+  for (; i < n; ++i) total += w[i];
+  const float inverse = 1.0f / total;
+  for (int64_t j = 0; j < n; ++j) w[j] *= inverse;
+}
+
 template <class T>
 void attend(const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides vs, const bool* mask,
             const int64_t (&mask_strides)[3], Shape s, float scale, T* out) {
@@ -228,7 +289,9 @@ void attend(const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides 
   const int64_t causal_offset = s.keys - s.queries;  // without a mask, row t sees keys j <= t + offset
   at::parallel_for(0, s.batch * s.kv_heads * s.queries, 1, [&](int64_t begin, int64_t end) {
     std::vector<int64_t> seen(s.keys);
-    std::vector<float> weight(group * s.keys), query(group * s.dim), acc(group * s.dim);
+    std::vector<float> weight(group * s.keys), query(group * s.dim), acc(group * s.dim), key_scratch, value_scratch;
+    int64_t widened = -1, key_stride = ks.r, value_stride = vs.r;  // the (batch, kv head) widened last
+    const float *keys = nullptr, *values = nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t t = item % s.queries, g = (item / s.queries) % s.kv_heads, b = item / (s.queries * s.kv_heads);
       T* dst = out + ((b * s.queries + t) * s.heads + g * group) * s.dim;  // [batch, queries, heads, dim]
@@ -244,27 +307,20 @@ void attend(const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides 
         for (int64_t e = 0; e < group * s.dim; ++e) dst[e] = T(0.0f);
         continue;
       }
+      if (widened != item / s.queries) {  // the rows of one (batch, kv head) are consecutive items
+        widened = item / s.queries;
+        key_stride = ks.r, value_stride = vs.r;
+        keys = as_floats(k + b * ks.b + g * ks.h, ks.r, s.keys, s.dim, key_scratch, key_stride);
+        values = as_floats(v + b * vs.b + g * vs.h, vs.r, s.keys, s.dim, value_scratch, value_stride);
+      }
       for (int64_t r = 0; r < group; ++r) {
         const T* qrow = q + b * qs.b + (g * group + r) * qs.h + t * qs.r;
         for (int64_t d = 0; d < s.dim; ++d) query[r * s.dim + d] = widen(qrow[d]);
       }
-      const T* kbase = k + b * ks.b + g * ks.h;
       for (int64_t r = 0; r < group; ++r)
-        scores(query.data() + r * s.dim, kbase, ks.r, seen.data(), n, s.dim, scale, weight.data() + r * s.keys);
-      for (int64_t r = 0; r < group; ++r) {
-        float* w = weight.data() + r * s.keys;
-        float top = w[0];
-        for (int64_t i = 1; i < n; ++i) top = w[i] > top ? w[i] : top;
-#pragma omp simd
-        for (int64_t i = 0; i < n; ++i) w[i] = exp_nonpositive(w[i] - top);
-        float total = 0.0f;
-        for (int64_t i = 0; i < n; ++i) total += w[i];
-        const float inverse = 1.0f / total;
-        for (int64_t i = 0; i < n; ++i) w[i] *= inverse;
-      }
-      const T* vbase = v + b * vs.b + g * vs.h;
-      for (int64_t r = 0; r < group; ++r)
-        weighted_values(weight.data() + r * s.keys, vbase, vs.r, seen.data(), n, s.dim, acc.data() + r * s.dim);
+        scores(query.data() + r * s.dim, keys, key_stride, seen.data(), n, s.dim, scale, weight.data() + r * s.keys);
+      for (int64_t r = 0; r < group; ++r) softmax(weight.data() + r * s.keys, n);
+      weighted_values(weight.data(), s.keys, values, value_stride, seen.data(), n, s.dim, group, acc.data());
       for (int64_t e = 0; e < group * s.dim; ++e) dst[e] = T(acc[e]);
     }
   });
