@@ -10,6 +10,7 @@ read it from the model's one :class:`MaskTail`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -81,3 +82,13 @@ def _find_tail(tail: MaskTail):
             tail.start = tail.find(kwargs.get("input_ids", args[0] if args else None))
 
     return hook
+
+
+@functools.lru_cache(maxsize=64)
+def tail_last_order(batch: int, length: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row orders for a ``[batch, length]`` query whose rows from ``start`` on are ``[MASK]``: ``order`` puts every
+    sequence's clean rows first and every ``[MASK]`` row after them (one tail for a row-wise product); ``back``
+    undoes it."""
+    index = torch.arange(batch * length).view(batch, length)
+    order = torch.cat([index[:, :start].reshape(-1), index[:, start:].reshape(-1)])
+    return order, torch.argsort(order)

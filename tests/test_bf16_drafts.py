@@ -15,6 +15,7 @@ from hf_tidar.bench import tiny_ar_model as tiny_byte_model
 from hf_tidar.bench.methods import build_methods
 from hf_tidar.cpu import linear as measured
 from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel, few_row_kernel, supported_isas
+from hf_tidar.cpu.mlp import disable_gated_mlps
 from hf_tidar.generation.cost_profile import profile_key
 
 needs_bf16_kernel = pytest.mark.skipif(
@@ -105,6 +106,7 @@ def test_a_plain_forward_finds_its_tail_and_a_mask_before_it_keeps_float32(packe
     model = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=32).float(), block_size=4).eval()
     twin = copy.deepcopy(model)
     cpu.enable(twin, packed=packed)  # float32 drafts on the same product: the bits clean rows must keep
+    disable_gated_mlps(twin)  # as the bfloat16-draft model's MLPs: two products and transformers' silu
     cpu.enable(model, draft_dtype=torch.bfloat16, packed=packed)
     least = measured.bf16_draft_min_rows(model)
     assert least == (measured.PACKED_BF16_DRAFT_MIN_ROWS if packed else measured.BF16_DRAFT_MIN_ROWS)

@@ -3,7 +3,7 @@ a sum, a row's bits whatever the other rows, enabled and disabled with the measu
 
 import pytest
 import torch
-from toy import tiny_ar_model, train_counting_tidar
+from toy import assert_greedy_tidar_is_ar, tiny_ar_model, train_counting_tidar
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from hf_tidar import TidarForCausalLM, cpu
@@ -88,13 +88,8 @@ def test_greedy_tidar_with_the_norm_operator_equals_ar_in_float32(monkeypatch):
     for module in model.modules():
         if "rms_norm_op" in module.__dict__:
             monkeypatch.setattr(module, "rms_norm_op", lambda *args: calls.append(1) or kernel(*args))
-    prompts = torch.tensor([[3, 4, 5, 6, 7]])
-    settings = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        ar = model.generate(prompts, **settings)
-        out = model.generate(prompts, strategy="tidar", draft_length=3, return_dict_in_generate=True, **settings)
-    assert calls and torch.equal(out.sequences, ar)
-    assert out.sequences.shape[1] - prompts.shape[1] > int(out.forward_passes[0]) + 1  # drafts were accepted
+    assert_greedy_tidar_is_ar(model, max_new_tokens=20, drafts_accepted=True)
+    assert calls
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_BACKBONES))
@@ -103,8 +98,4 @@ def test_every_backbones_norms_take_the_operator_and_tidar_stays_ar(model_type):
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     cpu.enable(model)
     assert norms and all(type(m).__name__.startswith("Measured") for m in norms)  # Qwen3's q/k norms too
-    prompts = torch.tensor([[3, 4, 5, 6, 7]])
-    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        assert torch.equal(model.generate(prompts, strategy="tidar", draft_length=3, **settings),
-                           model.generate(prompts, **settings))
+    assert_greedy_tidar_is_ar(model)

@@ -4,7 +4,7 @@ enabled and disabled with the measured path, greedy TiDAR still AR."""
 
 import pytest
 import torch
-from toy import tiny_ar_model, train_counting_tidar
+from toy import assert_greedy_tidar_is_ar, tiny_ar_model, train_counting_tidar
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from hf_tidar import TidarForCausalLM, cpu
@@ -88,13 +88,8 @@ def test_greedy_tidar_with_the_rotary_operator_equals_ar_in_bfloat16(monkeypatch
     model = train_counting_tidar(block_size=4, steps=150).to(torch.bfloat16)
     cpu.enable(model)
     calls = _count_calls(model, monkeypatch)
-    prompts = torch.tensor([[3, 4, 5, 6, 7]])
-    settings = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        ar = model.generate(prompts, **settings)
-        out = model.generate(prompts, strategy="tidar", draft_length=3, return_dict_in_generate=True, **settings)
-    assert calls and torch.equal(out.sequences, ar)
-    assert out.sequences.shape[1] - prompts.shape[1] > int(out.forward_passes[0]) + 1  # drafts were accepted
+    assert_greedy_tidar_is_ar(model, max_new_tokens=20, drafts_accepted=True)
+    assert calls
 
 
 @pytest.mark.parametrize("model_type", sorted(TINY_BACKBONES))
@@ -102,9 +97,5 @@ def test_every_backbones_attention_takes_the_operator_and_tidar_stays_ar(model_t
     model = TidarForCausalLM.from_ar(tiny_ar_model(model_type, vocab_size=40).float(), block_size=4).eval()
     cpu.enable(model)
     calls = _count_calls(model, monkeypatch)
-    prompts = torch.tensor([[3, 4, 5, 6, 7]])
-    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    with torch.no_grad():
-        assert torch.equal(model.generate(prompts, strategy="tidar", draft_length=3, **settings),
-                           model.generate(prompts, **settings))
+    assert_greedy_tidar_is_ar(model)
     assert calls

@@ -38,3 +38,16 @@ def train_counting_tidar(block_size: int = 4, vocab: int = 32, steps: int = 300,
         optimizer.step()
         optimizer.zero_grad()
     return model.double().eval()
+
+
+def assert_greedy_tidar_is_ar(model, max_new_tokens: int = 12, drafts_accepted: bool = False) -> None:
+    """Greedy TiDAR (k = 3) on ``model`` writes greedy AR's tokens for a short prompt; with ``drafts_accepted``, it
+    also committed more tokens than passes plus one (drafts were accepted, so verification was exercised)."""
+    prompts = torch.tensor([[3, 4, 5, 6, 7]])
+    settings = dict(max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ar = model.generate(prompts, **settings)
+        out = model.generate(prompts, strategy="tidar", draft_length=3, return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, ar)
+    if drafts_accepted:
+        assert out.sequences.shape[1] - prompts.shape[1] > int(out.forward_passes[0]) + 1

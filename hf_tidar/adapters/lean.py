@@ -20,14 +20,12 @@ pushing stay PEFT; this form is for generation (``load_tidar_adapter(..., lean=T
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.linear import few_rows_lora_forward, linear_forward
-from ..mask_tail import MaskTail, ensure_mask_tail
+from ..mask_tail import MaskTail, ensure_mask_tail, tail_last_order
 
 
 class TailLoraLinear(nn.Linear):
@@ -68,19 +66,10 @@ class TailLoraLinear(nn.Linear):
         (benchmarks/adapter_cost.py --batch-size 4).
         """
         batch, length, features = x.shape
-        order, back = _tail_last_order(batch, length, start)
+        order, back = tail_last_order(batch, length, start)
         rows = x.reshape(batch * length, features).index_select(0, order)
         flat = few_rows_lora_forward(self, rows[None], batch * start)
         return None if flat is None else flat[0].index_select(0, back).view(batch, length, -1)
-
-
-@functools.lru_cache(maxsize=64)
-def _tail_last_order(batch: int, length: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row orders for a ``[batch, length]`` query whose rows from ``start`` on are ``[MASK]``: ``order`` puts every
-    sequence's clean rows first and every ``[MASK]`` row after them; ``back`` undoes it."""
-    index = torch.arange(batch * length).view(batch, length)
-    order = torch.cat([index[:, :start].reshape(-1), index[:, start:].reshape(-1)])
-    return order, torch.argsort(order)
 
 
 class TailEmbedding(nn.Embedding):

@@ -30,6 +30,9 @@ SOURCES = tuple(Path(__file__).with_name(name)
 """The operator library's sources: the few-row matmul, its column-packed variant, the row-invariant attention,
 each row's best two tokens, Llama's RMSNorm over a step's rows and the rotary position embedding."""
 
+HEADERS = (Path(__file__).with_name("vector_math.h"),)
+"""Headers the sources include (a build depends on them too)."""
+
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     # name: (the CPU flags it needs, as /proc/cpuinfo spells them; the compiler flags that build it)
     "avx512_bf16": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
@@ -109,7 +112,7 @@ def build_key(isa: str | None = None) -> str:
     """What a build depends on: the source, the flags and torch's version."""
     isa = isa or kernel_isa() or "none"
     flags = " ".join(_cflags(isa)) if isa in ISA_FLAGS else isa
-    text = "".join(source.read_text() for source in SOURCES) + "|" + flags + "|" + torch.__version__
+    text = "".join(source.read_text() for source in SOURCES + HEADERS) + "|" + flags + "|" + torch.__version__
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -203,6 +206,14 @@ def packed_pair_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., tor
         return None
     library = built_library(kernel_isa())
     return pack, library.packed_pair_linear, library.pack_columns
+
+
+def gated_linear_kernel() -> Callable[..., torch.Tensor] | None:
+    """``packed_gated_linear(x [M, K], packed, N, lora_a | None, lora_b | None, tail_start) -> [M, N]``
+    (``packed_rows.cpp``): ``silu(x @ gateᵀ) * (x @ upᵀ)`` from gate and up weights ``[N, K]`` packed together (rows
+    interleaved 16 at a time, then packed as the packed product packs float32 or, on the AVX-512 BF16 build,
+    bfloat16 weights), the LoRA factors stacked alike; ``None`` unless an AVX-512 build runs here."""
+    return _operator("packed_gated_linear", only_on=("avx512", "avx512_bf16"))
 
 
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:

@@ -45,6 +45,7 @@ from .kernel import (
     packed_pair_kernel,
     packed_row_kernel,
 )
+from .mlp import disable_gated_mlps, enable_gated_mlps
 from .norm import disable_norms, enable_norms
 from .packed import ColumnPackedProduct, PackedCopy
 from .rotary import disable_rotary, enable_rotary
@@ -423,7 +424,9 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     (:mod:`hf_tidar.cpu.norm`: transformers' seven small operators cost 14-18 µs a call, the operator about 3); its
     values equal transformers' up to the last bit of the sum of squares' order. The rotary position embedding of the
     attention modules that take it through transformers' ``kernels`` hook (Llama's, Qwen's, Mistral's) runs on one
-    operator too (:mod:`hf_tidar.cpu.rotary`: transformers' bits, about 25 µs a layer less).
+    operator too (:mod:`hf_tidar.cpu.rotary`: transformers' bits, about 25 µs a layer less). Where the gate and up
+    projections of a Llama-style gated MLP are packed, they become one product with ``silu(gate) * up`` in the same
+    operator (:mod:`hf_tidar.cpu.mlp`).
 
     ``packed``: on the AVX-512 builds, float32 weights are multiplied from a copy packed by columns
     (:mod:`hf_tidar.cpu.packed`), and on the AVX-512 BF16 build bfloat16 weights from a copy packed by columns as
@@ -461,6 +464,7 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     if packed:
         _pack_columns(model, check_memory)
     _give_exact_ops(model)
+    enable_gated_mlps(model)
     enable_norms(model)
     enable_rotary(model)
     return model
@@ -610,15 +614,16 @@ def _use_row_attention(model: nn.Module, dtypes: set[torch.dtype]) -> None:
 
 
 def disable(model: nn.Module) -> nn.Module:
-    """Undo :func:`enable`: every :class:`MeasuredLinear` becomes a plain ``nn.Linear`` again, every RMSNorm its
-    own class, every rotary embedding transformers' function, and the model's attention backend is the one it had
-    before."""
+    """Undo :func:`enable`: every :class:`MeasuredLinear` becomes a plain ``nn.Linear`` again, every RMSNorm and
+    gated MLP its own class, every rotary embedding transformers' function, and the model's attention backend is the
+    one it had before."""
     for module in model.modules():
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear
         for name in ("choices", "few_row_op", "plan_dtype", "_packed", "draft_op", "draft_tail",
                      "draft_factors", "draft_min_rows", "kernel_factors", "exact_op", "exact_rows"):
             module.__dict__.pop(name, None)
+    disable_gated_mlps(model)
     disable_norms(model)
     disable_rotary(model)
     before = model.__dict__.pop("_hf_tidar_attention_before", None)

@@ -39,15 +39,37 @@ class PackedCopy:
         return self._copy
 
 
+class StackedCopy:
+    """A copy ``make(*tensors)`` of several tensors, made again whenever any of them changes (another tensor object, or
+    the same one changed in place), as :class:`PackedCopy` does for one."""
+
+    __slots__ = ("_make", "_sources", "_versions", "_copy")
+
+    def __init__(self, make: Callable[..., object]):
+        self._make, self._sources, self._versions, self._copy = make, (), (), None
+
+    def of(self, *tensors: torch.Tensor):
+        """The copy of ``tensors`` (made now if any is not what the last copy was made of)."""
+        if len(tensors) == len(self._sources) and all(t is s and (v is None or t._version == v) for t, s, v in
+                                                      zip(tensors, self._sources, self._versions, strict=True)):
+            return self._copy
+        self._copy = self._make(*(t.detach() for t in tensors))
+        self._sources = tensors
+        self._versions = tuple(None if t.is_inference() else t._version for t in tensors)
+        return self._copy
+
+
 class ColumnPackedProduct:
     """A drop-in for the few-row operator of one linear: ``(x, weight, bias, lora_a, lora_b, tail_start) -> y``,
-    computed from packed copies of ``weight`` and of the LoRA factors, each re-packed when it changes."""
+    computed from packed copies of ``weight`` and of the LoRA factors, each re-packed when it changes. ``pack`` and
+    ``pack_lora_b`` are its packing functions (the weight's and ``lora_a``'s, and ``lora_b``'s)."""
 
-    __slots__ = ("_multiply", "_weight", "_lora_a", "_lora_b")
+    __slots__ = ("_multiply", "_weight", "_lora_a", "_lora_b", "pack", "pack_lora_b")
 
     def __init__(self, pack: Callable[..., torch.Tensor], multiply: Callable[..., torch.Tensor],
                  pack_lora_b: Callable[..., torch.Tensor] | None = None):
         self._multiply = multiply
+        self.pack, self.pack_lora_b = pack, pack_lora_b or pack
         self._weight = PackedCopy(pack)
         # The factors as given: float16 ones (exact ones, see hf_tidar.cpu.linear) halve their streams, which go past
         # next to every weight (the kernel widens them exactly: the same products). lora_a is packed as the weight

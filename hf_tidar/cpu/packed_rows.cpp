@@ -23,6 +23,9 @@
 //
 // packed_pair_linear (the AVX-512 BF16 build) is the same sweep for bfloat16 weights (a bfloat16 model), packed
 // by pack_column_pairs as [N/16][K/2][16][2] so that vdpbf16ps takes each output's pair of weights (see pair_tile).
+//
+// packed_gated_linear is a gated MLP's first half, silu(x @ gateᵀ) * (x @ upᵀ), from one sweep over both weights
+// packed together (their column blocks interleaved), see gated_rows.
 
 #ifdef __AVX512F__
 
@@ -40,6 +43,8 @@
 #include <optional>
 #include <type_traits>
 #include <vector>
+
+#include "vector_math.h"
 
 #ifndef HF_TIDAR_KERNEL_LIBRARY
 #define HF_TIDAR_KERNEL_LIBRARY hf_tidar_cpu
@@ -662,6 +667,67 @@ at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int
 }
 #endif  // bfloat16
 
+// A bfloat16's value, and a float32 rounded to the nearest bfloat16 (ties to even; NaN stays NaN), as torch's
+// conversions do, in plain integer arithmetic so that the loop below vectorises; float32 as it is.
+inline float value_of(float v) { return v; }
+inline float value_of(uint16_t bits) {
+  const uint32_t wide = uint32_t(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+inline float as_stored(float v, float*) { return v; }
+inline uint16_t as_stored(float value, uint16_t*) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return value != value ? uint16_t(0x7FC0) : uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+
+// out[m, n] = silu(gate) * up for the product `both` [M, 2N] whose 16-column blocks alternate gate (even) and up (odd),
+// float32 or bfloat16 bits: transformers' act_fn(gate_proj(x)) * up_proj(x) with its roundings (silu rounded to the
+// dtype, then the product); silu is hf_tidar_cpu::silu (within a few ulp of torch's), the same for every element.
+template <class T>
+void gated_rows(const T* both, int64_t M, int64_t N, T* out) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t blk = 0; blk < N / kLanes; ++blk) {
+      const T* gate = both + m * 2 * N + 2 * blk * kLanes;
+      T* dst = out + m * N + blk * kLanes;
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const T silu = as_stored(hf_tidar_cpu::silu(value_of(gate[l])), dst);
+        dst[l] = as_stored(value_of(silu) * value_of(gate[kLanes + l]), dst);
+      }
+    }
+}
+
+// silu(x @ gateᵀ) * (x @ upᵀ) [M, N] for a gated MLP whose gate_proj and up_proj weights ([N, K] each, N a multiple
+// of 16, no bias) were packed together: their rows interleaved 16 at a time (gate's first 16, up's first 16, ...),
+// then packed by pack_columns (float32) or pack_column_pairs (bfloat16). One sweep over both; the LoRA tail as in
+// packed_row_linear / packed_pair_linear, with the two factors stacked the same way. gate and up get the bits of
+// their own packed products.
+at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                               const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                               int64_t tail_start) {
+  TORCH_CHECK(N > 0 && N % kLanes == 0, "packed_gated_linear: N must be a positive multiple of 16");
+  at::Tensor both;
+  if (x.scalar_type() == at::kFloat) {
+    both = packed_row_linear(x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start);
+  } else {
+#ifdef HF_TIDAR_PACKED_BF16
+    both = packed_pair_linear(x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start);
+#else
+    TORCH_CHECK(false, "packed_gated_linear: bfloat16 needs the AVX-512 BF16 build; x must be float32 here");
+#endif
+  }
+  at::Tensor out = at::empty({both.size(0), N}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    gated_rows(both.data_ptr<float>(), both.size(0), N, out.data_ptr<float>());
+  else
+    gated_rows(reinterpret_cast<const uint16_t*>(both.data_ptr<c10::BFloat16>()), both.size(0), N,
+               reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
+  return out;
+}
+
 }  // namespace
 
 #define HF_TIDAR_PACKED_FRAGMENT(name, m) TORCH_LIBRARY_FRAGMENT(name, m)
@@ -670,6 +736,8 @@ HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
   m.def("packed_row_linear(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",
         &packed_row_linear);
+  m.def("packed_gated_linear(Tensor x, Tensor packed, int N, Tensor? lora_a, Tensor? lora_b, int tail_start) -> Tensor",
+        &packed_gated_linear);
 #ifdef HF_TIDAR_PACKED_BF16
   m.def("packed_row_linear_bf16_tail(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",

@@ -27,6 +27,8 @@
 #include <optional>
 #include <vector>
 
+#include "vector_math.h"
+
 #ifndef HF_TIDAR_KERNEL_LIBRARY
 #define HF_TIDAR_KERNEL_LIBRARY hf_tidar_cpu
 #endif
@@ -227,27 +229,7 @@ struct Strides {
   explicit Strides(const at::Tensor& t) : b(t.stride(0)), h(t.stride(1)), r(t.stride(2)) {}
 };
 
-// e^x for x <= 0 (a softmax's shifted scores), float32, about 2 ulp: the exponent's integer part goes into the
-// float's exponent bits, the rest through a degree-6 polynomial. Plain arithmetic, so a loop over it
-// vectorises, and every element gets the same operations; below -87 it returns 0.
-inline float exp_nonpositive(float x) {
-  const float clamped = x < -87.0f ? -87.0f : x;
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &p, sizeof(bits));
-  bits += static_cast<int32_t>(n) << 23;
-  float out;
-  std::memcpy(&out, &bits, sizeof(out));
-  return x < -87.0f ? 0.0f : out;
-}
+using hf_tidar_cpu::exp_nonpositive;
 
 // The keys or values of one (batch, key/value head) as float32 rows of dim: the tensor's own rows for float32, a
 // widened copy in scratch for bfloat16 (exact), made once for every query row and head that reads them.

@@ -1,0 +1,143 @@
+"""A gated MLP's gate and up projections as one product, ``silu(gate) * up`` on the same operator
+(``packed_rows.cpp``: ``packed_gated_linear``).
+
+transformers' Llama-style MLP (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``) makes two products of the same rows
+and two element-wise operators between them, each a call of its own: on a 2-core CPU the two operators alone take
+6-8 µs a layer in bfloat16 whatever the row count, and every call has its Python and dispatch overhead. On the
+measured path, where gate and up weights are packed by columns, :func:`enable_gated_mlps` swaps each such MLP's class
+for a subclass whose forward makes one product of both weights (packed together, their 16-column blocks interleaved:
+the same sweep over the same bytes), applies ``silu(gate) * up`` in the operator and hands the result to
+``down_proj``. Gate and up values have the bits of their own packed products; ``silu`` is the library's (within a few
+ulp of torch's, the same for every row of every call), rounded as transformers rounds. The gated adapter's LoRA
+update of the ``[MASK]`` rows is part of the product, the two factors stacked (in a batch, every sequence's
+``[MASK]`` rows are put last for the call). Autograd, other devices and dtypes, biases and bfloat16 draft rows take
+transformers' forward.
+:func:`disable_gated_mlps` swaps the classes back; the packed copy is made on first use, again when a weight changes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from ..mask_tail import tail_last_order
+from .kernel import gated_linear_kernel
+from .packed import ColumnPackedProduct, StackedCopy
+
+MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
+"""transformers' gated MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
+
+MAX_ROWS = 1024
+"""Most rows the operator takes (the packed product's limit); longer inputs take transformers' forward."""
+
+
+def interleave_blocks(first: torch.Tensor, second: torch.Tensor, block: int = 16) -> torch.Tensor:
+    """``[2N, ...]``: ``block`` rows of ``first``, ``block`` of ``second``, and so on (``N`` a multiple of ``block``)."""
+    pairs = torch.stack([first.reshape(-1, block, *first.shape[1:]), second.reshape(-1, block, *second.shape[1:])], 1)
+    return pairs.reshape(-1, *first.shape[1:])
+
+
+def _stacked_factors(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor,
+                     up_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two LoRA pairs as one: ``A`` stacked, ``B`` block-diagonal with its rows interleaved as the weights'.
+    Each output's update then adds its own factor's products in its own order, and zeros (exact) for the other's."""
+    gate_rank, up_rank = gate_a.shape[0], up_a.shape[0]
+    gate_rows = torch.cat([gate_b, gate_b.new_zeros(gate_b.shape[0], up_rank)], dim=1)
+    up_rows = torch.cat([up_b.new_zeros(up_b.shape[0], gate_rank), up_b], dim=1)
+    return torch.cat([gate_a, up_a]), interleave_blocks(gate_rows, up_rows).contiguous()
+
+
+def _factors(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    state = linear.__dict__
+    if "lora_a" not in state.get("_buffers", {}):
+        return None
+    return state.get("kernel_factors") or (state["_buffers"]["lora_a"], state["_buffers"]["lora_b"])
+
+
+def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj, self.up_proj
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    weight = gate._parameters["weight"]
+    if torch.is_grad_enabled() or not x.is_cpu or x.dtype != weight.dtype or x.dtype != self.gated_dtype \
+            or not 0 < rows <= MAX_ROWS or up._parameters["weight"].dtype != x.dtype:
+        return super(type(self), self).forward(x)
+    flat = x.view(rows, x.shape[-1]) if x.is_contiguous() else x.reshape(rows, x.shape[-1]).contiguous()
+    tail = getattr(gate, "tail", None)
+    start = None if tail is None else tail.start
+    if start is None or x.dim() != 3 or start >= x.shape[1]:
+        hidden = self.gated_op(flat, self.gated_weights.of(weight, up._parameters["weight"]), gate.out_features,
+                               None, None, rows)
+        return self.down_proj(hidden.view(*x.shape[:-1], gate.out_features))
+    gate_factors, up_factors = _factors(gate), _factors(up)
+    if gate_factors is None or up_factors is None:
+        return super(type(self), self).forward(x)
+    lora_a, lora_b = self.gated_factors.of(*gate_factors, *up_factors)
+    batch, length = x.shape[:2]
+    order = back = None
+    if batch > 1:  # every sequence's [MASK] rows last: one tail for the row-wise product, then back in place
+        order, back = tail_last_order(batch, length, start)
+        flat = flat.index_select(0, order)
+    hidden = self.gated_op(flat, self.gated_weights.of(weight, up._parameters["weight"]), gate.out_features, lora_a,
+                           lora_b, batch * start)
+    if back is not None:
+        hidden = hidden.index_select(0, back)
+    return self.down_proj(hidden.view(batch, length, gate.out_features))
+
+
+@functools.cache
+def _measured_class(base: type) -> type:
+    """``base`` with the operator's forward (one subclass per class, made once)."""
+    return type(f"Measured{base.__name__}", (base,), {"forward": _gated_forward, "measured_mlp_base": base})
+
+
+def _fits(module: nn.Module) -> bool:
+    """Whether ``module`` is a SiLU-gated MLP of :data:`MLP_CLASSES` whose gate and up projections are packed linears
+    of one dtype without biases or bfloat16 draft rows, with an output count the operator takes."""
+    if type(module).__name__ not in MLP_CLASSES or type(getattr(module, "act_fn", None)).__name__ not in (
+            "SiLUActivation", "SiLU"):
+        return False
+    gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
+    if not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear):
+        return False
+    products = [m.__dict__.get("exact_op") for m in (gate, up)]
+    return (all(isinstance(p, ColumnPackedProduct) for p in products) and gate.bias is None and up.bias is None
+            and gate.weight.shape == up.weight.shape and gate.weight.dtype == up.weight.dtype
+            and gate.out_features % 16 == 0 and not any(m.__dict__.get("draft_op") for m in (gate, up)))
+
+
+def enable_gated_mlps(model: nn.Module) -> int:
+    """Give ``model``'s fitting gated MLPs (see the module doc) the operator's forward; returns how many. Call after
+    the linears are packed (:func:`hf_tidar.cpu.enable` does)."""
+    op = gated_linear_kernel()
+    if op is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if not _fits(module):
+            continue
+        product = module.gate_proj.__dict__["exact_op"]
+        pack, pack_lora_b = product.pack, product.pack_lora_b
+        module.__class__ = _measured_class(type(module))
+        module.gated_op, module.gated_dtype = op, module.gate_proj.weight.dtype
+        module.gated_weights = StackedCopy(lambda gate, up, pack=pack: pack(interleave_blocks(gate, up).contiguous()))
+        module.gated_factors = StackedCopy(
+            lambda *factors, pack=pack, pack_b=pack_lora_b: _pack_factors(_stacked_factors(*factors), pack, pack_b))
+        count += 1
+    return count
+
+
+def _pack_factors(factors: tuple[torch.Tensor, torch.Tensor], pack, pack_lora_b) -> tuple[torch.Tensor, torch.Tensor]:
+    lora_a, lora_b = factors
+    return pack(lora_a.contiguous()), pack_lora_b(lora_b.contiguous())
+
+
+def disable_gated_mlps(model: nn.Module) -> None:
+    """Undo :func:`enable_gated_mlps`."""
+    for module in model.modules():
+        base = getattr(type(module), "measured_mlp_base", None)
+        if base is not None:
+            module.__class__ = base
+            for name in ("gated_op", "gated_dtype", "gated_weights", "gated_factors"):
+                module.__dict__.pop(name, None)

@@ -1,0 +1,154 @@
+"""A gated MLP's gate and up projections as one product with ``silu(gate) * up`` in the operator
+(``hf_tidar.cpu.mlp``): the values of the two products and transformers' activation, a row's bits whatever the other
+rows, the gated adapter's ``[MASK]`` rows in one sequence and in a batch, every backbone, greedy TiDAR still AR."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from toy import assert_greedy_tidar_is_ar, counting_batch, tiny_ar_model, train_counting_tidar
+
+from hf_tidar import TidarForCausalLM, cpu
+from hf_tidar.adapters import to_lean
+from hf_tidar.cpu.kernel import gated_linear_kernel, packed_pair_kernel, packed_row_kernel
+from hf_tidar.cpu.mlp import _stacked_factors, disable_gated_mlps, interleave_blocks
+from hf_tidar.masks import tidar_training_layout
+from hf_tidar.tiny import TINY_BACKBONES
+from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
+
+kernel = gated_linear_kernel()
+pytestmark = pytest.mark.skipif(kernel is None, reason="the gated product needs an AVX-512 build of the CPU library")
+DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    packed_pair_kernel() is None, reason="bfloat16 products need the AVX-512 BF16 build"))]
+
+
+def _products(dtype):
+    """(pack, multiply, pack_lora_b) of the packed product for ``dtype``."""
+    if dtype == torch.float32:
+        pack, multiply = packed_row_kernel()
+        return pack, multiply, pack
+    return packed_pair_kernel()
+
+
+def _tolerance(dtype):  # silu is the library's, not torch's: a few float32 ulps, one bfloat16 rounding
+    return dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rank", [0, 4])
+def test_the_operator_is_silu_of_gate_times_up_and_a_rows_bits_do_not_depend_on_the_others(dtype, rank):
+    pack, multiply, pack_b = _products(dtype)
+    g = torch.Generator().manual_seed(0)
+    n, k, rows, tail = 48, 40, 7, 4
+    gate, up, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (n, k), (rows, k)))
+    factors = [torch.randn(*shape, generator=g).to(dtype) for shape in ((rank, k), (n, rank), (rank, k), (n, rank))]
+    packed = pack(interleave_blocks(gate, up).contiguous())
+    lora = (None, None)
+    if rank:
+        stacked_a, stacked_b = _stacked_factors(*factors)
+        lora = (pack(stacked_a.contiguous()), pack_b(stacked_b))
+    got = kernel(x, packed, n, *lora, tail)
+
+    def alone(weight, a, b):  # one projection on its own packed product, its own LoRA factors
+        return multiply(x, pack(weight), n, None, pack(a.contiguous()) if rank else None, pack_b(b.contiguous())
+                        if rank else None, tail)
+
+    want = F.silu(alone(gate, *factors[:2])) * alone(up, *factors[2:])
+    assert got.shape == (rows, n) and got.dtype == dtype
+    torch.testing.assert_close(got, want, **_tolerance(dtype))
+    for row in (0, 3, 4, 6):  # a clean row and a tail row, each alone
+        one = kernel(x[row : row + 1].contiguous(), packed, n, *lora, 0 if row >= tail else 1)
+        assert torch.equal(one, got[row : row + 1])
+
+
+def test_the_operator_refuses_an_output_count_off_the_blocks():
+    pack, _, _ = _products(torch.float32)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernel(torch.randn(2, 8), pack(torch.randn(24, 8)), 12, None, None, 2)
+
+
+def _mlps(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+
+
+def _count_calls(model, monkeypatch) -> list:
+    calls = []
+    for mlp in _mlps(model):
+        if "gated_op" in mlp.__dict__:
+            monkeypatch.setattr(mlp, "gated_op", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    return calls
+
+
+def test_enable_swaps_the_mlps_and_disable_swaps_them_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    model = tiny_ar_model(vocab_size=40).float()
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        before = model(ids).logits
+    cpu.enable(model)
+    mlps = _mlps(model)
+    assert len(mlps) == model.config.num_hidden_layers
+    assert all(type(m).__name__ == "MeasuredLlamaMLP" for m in mlps)
+    calls = _count_calls(model, monkeypatch)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-5)
+    assert calls == [5] * len(mlps)  # one product a layer, every row
+    model(ids, labels=ids).loss.backward()  # autograd: transformers' forward, which it can differentiate
+    assert calls == [5] * len(mlps) and all(m.gate_proj.weight.grad is not None for m in mlps)
+    cpu.disable(model)
+    assert all(type(m).__name__ == "LlamaMLP" and "gated_op" not in m.__dict__ for m in mlps)
+
+
+def _lean_adapter_model(dtype):
+    """A tiny TiDAR model with a gated adapter that does something (PEFT starts B at zero), in its lean form."""
+    ar = tiny_ar_model("llama", vocab_size=32, seed=0)
+    torch.manual_seed(1)
+    peft = get_gated_lora_model(tidar_base_for_adapter(ar, block_size=4), gated_lora_config(rank=4))
+    for name, param in peft.named_parameters():
+        if "lora_B" in name or "lora_embedding_A" in name:
+            param.data.normal_(0, 0.5)
+    return to_lean(peft.eval()).eval().to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_lean_adapters_mask_rows_in_one_sequence_and_in_a_batch(dtype, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    fused = cpu.enable(_lean_adapter_model(dtype))
+    separate = copy.deepcopy(fused)
+    disable_gated_mlps(separate)
+    calls = _count_calls(fused, monkeypatch)
+    ids = counting_batch(2, 8, 32, torch.Generator().manual_seed(1))
+    attention = torch.ones_like(ids)
+    attention[1, :3] = 0  # a left-padded row
+    x = torch.cat([ids, torch.full_like(ids, fused.config.mask_token_id)], dim=1)
+    layout = tidar_training_layout(attention, 4)
+    with torch.no_grad():
+        batch = fused.structured_hidden_states(x, layout, mask_tail_start=8)
+        assert calls and all(rows == 32 for rows in calls)  # one product of both sequences a layer
+        torch.testing.assert_close(batch, separate.structured_hidden_states(x, layout, mask_tail_start=8),
+                                   **(_tolerance(dtype) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)))
+        for row in range(2):
+            alone = fused.structured_hidden_states(x[row : row + 1], tidar_training_layout(attention[row : row + 1], 4),
+                                                   mask_tail_start=8)
+            assert torch.equal(batch[row], alone[0])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_greedy_tidar_with_the_gated_product_equals_ar(dtype, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    model = cpu.enable(train_counting_tidar(block_size=4, steps=150).to(dtype))
+    calls = _count_calls(model, monkeypatch)
+    assert_greedy_tidar_is_ar(model, max_new_tokens=20, drafts_accepted=True)
+    assert calls
+
+
+@pytest.mark.parametrize("model_type", sorted(TINY_BACKBONES))
+def test_every_backbones_mlps_take_the_operator_and_tidar_stays_ar(model_type, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    model = TidarForCausalLM.from_ar(tiny_ar_model(model_type, vocab_size=40).float(), block_size=4).eval()
+    cpu.enable(model)
+    assert _mlps(model) and all(type(m).__name__.startswith("Measured") for m in _mlps(model))
+    calls = _count_calls(model, monkeypatch)
+    assert_greedy_tidar_is_ar(model)
+    assert calls
