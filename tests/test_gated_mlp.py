@@ -36,13 +36,14 @@ def _tolerance(dtype):  # silu is the library's, not torch's: a few float32 ulps
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rank", [0, 4])
-def test_the_operator_is_silu_of_gate_times_up_and_a_rows_bits_do_not_depend_on_the_others(dtype, rank):
+@pytest.mark.parametrize("gate_rank, up_rank", [(0, 0), (4, 4), (20, 3)])  # 20: two blocks of codes, 3 padded
+def test_the_operator_is_silu_of_gate_times_up_and_a_rows_bits_do_not_depend_on_the_others(dtype, gate_rank, up_rank):
     pack, multiply, pack_b = _products(dtype)
     g = torch.Generator().manual_seed(0)
-    n, k, rows, tail = 48, 40, 7, 4
+    n, k, rows, tail, rank = 48, 40, 7, 4, gate_rank
     gate, up, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (n, k), (rows, k)))
-    factors = [torch.randn(*shape, generator=g).to(dtype) for shape in ((rank, k), (n, rank), (rank, k), (n, rank))]
+    factors = [torch.randn(*shape, generator=g).to(dtype)
+               for shape in ((gate_rank, k), (n, gate_rank), (up_rank, k), (n, up_rank))]
     packed = pack(interleave_blocks(gate, up).contiguous())
     lora = (None, None)
     if rank:

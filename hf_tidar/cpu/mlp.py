@@ -9,7 +9,7 @@ for a subclass whose forward makes one product of both weights (packed together,
 the same sweep over the same bytes), applies ``silu(gate) * up`` in the operator and hands the result to
 ``down_proj``. Gate and up values have the bits of their own packed products; ``silu`` is the library's (within a few
 ulp of torch's, the same for every row of every call), rounded as transformers rounds. The gated adapter's LoRA
-update of the ``[MASK]`` rows is part of the product, the two factors stacked (in a batch, every sequence's
+update of the ``[MASK]`` rows is part of the product, each output block updated by its own factor (in a batch, every sequence's
 ``[MASK]`` rows are put last for the call). Autograd, other devices and dtypes, biases and bfloat16 draft rows take
 transformers' forward.
 :func:`disable_gated_mlps` swaps the classes back; the packed copy is made on first use, again when a weight changes.
@@ -41,12 +41,17 @@ def interleave_blocks(first: torch.Tensor, second: torch.Tensor, block: int = 16
 
 def _stacked_factors(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor,
                      up_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two LoRA pairs as one: ``A`` stacked, ``B`` block-diagonal with its rows interleaved as the weights'.
-    Each output's update then adds its own factor's products in its own order, and zeros (exact) for the other's."""
-    gate_rank, up_rank = gate_a.shape[0], up_a.shape[0]
-    gate_rows = torch.cat([gate_b, gate_b.new_zeros(gate_b.shape[0], up_rank)], dim=1)
-    up_rows = torch.cat([up_b.new_zeros(up_b.shape[0], gate_rank), up_b], dim=1)
-    return torch.cat([gate_a, up_a]), interleave_blocks(gate_rows, up_rows).contiguous()
+    """The two LoRA pairs as the operator takes them: ``A`` ``[2R, K]``, gate's rows then up's, and ``B`` ``[2N, R]``,
+    gate's and up's rows interleaved 16 at a time as the weights' (each block is updated by its own factor's codes);
+    a smaller rank is padded with zeros to the larger ``R``."""
+    rank = max(gate_a.shape[0], up_a.shape[0])
+
+    def padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        extra = rank - a.shape[0]
+        return torch.cat([a, a.new_zeros(extra, a.shape[1])]), torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1)
+
+    (gate_a, gate_b), (up_a, up_b) = padded(gate_a, gate_b), padded(up_a, up_b)
+    return torch.cat([gate_a, up_a]), interleave_blocks(gate_b, up_b).contiguous()
 
 
 def _factors(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -111,10 +111,12 @@ inline void store_lanes(c10::BFloat16* y, __mmask16 keep, __m512 v) {  // rounde
 
 // Each tail row's LoRA update (rows from `first` on: their codes z, stride R, against NV packed lora_b blocks, R x 16
 // each) added to its accumulators after the K terms of the product; then the bias, and `valid` outputs of each row
-// stored (fewer than NV * 16 at the end of N; float32, or bfloat16 rounded to nearest even).
+// stored (fewer than NV * 16 at the end of N; float32, or bfloat16 rounded to nearest even). With `z_odd` (a gated
+// product's two factors, see packed_gated_linear), the blocks alternate factors: block v takes z where
+// (parity + v) is even and z_odd where it is odd, each against its own lora_b rows.
 template <int MR, int NV, class B, class Y>
 inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const B* b, int first, const float* bias,
-                        Y* y, int64_t ldy, int64_t valid) {
+                        Y* y, int64_t ldy, int64_t valid, const float* z_odd = nullptr, int parity = 0) {
   if (z) {
     for (int64_t r = 0; r < R; ++r) {
       __m512 bv[NV];
@@ -122,7 +124,12 @@ inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const 
       for (int i = 0; i < MR; ++i) {
         if (i < first) continue;
         const __m512 a = _mm512_set1_ps(z[(i - first) * R + r]);
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, bv[v], acc[i][v]);
+        if (!z_odd) {
+          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, bv[v], acc[i][v]);
+          continue;
+        }
+        const __m512 odd = _mm512_set1_ps(z_odd[(i - first) * R + r]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps((parity + v) & 1 ? odd : a, bv[v], acc[i][v]);
       }
     }
   }
@@ -142,7 +149,7 @@ inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const 
 template <int MR, int NV, class B, class W>
 inline void packed_tile(const float* x, int64_t ldx, int64_t K, const W* w, int64_t block, const float* z,
                         int64_t R, const B* b, int first, const float* bias, float* y, int64_t ldy,
-                        int64_t valid) {
+                        int64_t valid, const float* z_odd = nullptr, int parity = 0) {
   __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
@@ -157,7 +164,7 @@ inline void packed_tile(const float* x, int64_t ldx, int64_t K, const W* w, int6
       for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, wv[v], acc[i][v]);
     }
   }
-  finish_tile<MR, NV>(acc, z, R, b, first, bias, y, ldy, valid);
+  finish_tile<MR, NV>(acc, z, R, b, first, bias, y, ldy, valid, z_odd, parity);
 }
 
 // Column blocks per tile for a row tile of MR rows: as many as the 32 vector registers hold (MR x NV
@@ -178,13 +185,15 @@ struct Product {
   const B* b;      // packed lora_b [blocks, R, 16], float32 or float16
   int64_t R, tail;
   float* y;  // [M, N]
+  int64_t odd_codes = 0;  // a gated product's: where the odd blocks' codes start after z (see finish_tile)
 
   // Rows m..m+MR-1 against column blocks blk..blk+NV-1 (rows from `first` on with their codes).
   template <int MR, int NV>
   void tile(int64_t m, int64_t blk, const float* codes, int first) const {
     const int64_t n = blk * kLanes;
     packed_tile<MR, NV>(x + m * K, K, K, w + blk * K * kLanes, K * kLanes, codes, R, codes ? b + blk * R * kLanes : nullptr,
-                        first, bias ? bias + n : nullptr, y + m * N + n, N, N - n);
+                        first, bias ? bias + n : nullptr, y + m * N + n, N, N - n,
+                        codes && odd_codes ? codes + odd_codes : nullptr, int(blk & 1));
   }
 };
 
@@ -269,11 +278,27 @@ struct Prepared {
   const float* bias = nullptr;
   int64_t tail = 0, R = 0;
   std::vector<float> z;
+  int64_t odd_codes = 0;  // a gated product's (see split_codes)
 };
 
+// A gated product's codes, [rows, 2R] (gate's factor's R, then up's), as two [rows, R] matrices one after the other:
+// the even (gate) blocks read the first, the odd (up) blocks the second (finish_tile's z and z_odd). Returns where the
+// second starts.
+int64_t split_codes(std::vector<float>& z, int64_t rows, int64_t R) {
+  std::vector<float> split(z.size());
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t r = 0; r < R; ++r) {
+      split[t * R + r] = z[t * 2 * R + r];
+      split[(rows + t) * R + r] = z[t * 2 * R + R + r];
+    }
+  z.swap(split);
+  return rows * R;
+}
+
+// gated: lora_a holds two factors' rows (2R: gate's, then up's) and lora_b [N, R] alternates their 16-column blocks.
 Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t N,
                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
-                 const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
+                 const std::optional<at::Tensor>& lora_b, int64_t tail_start, bool gated = false) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
               op, ": x must be a contiguous [M, K] float32 CPU tensor");
   Prepared p{x.size(0), x.size(1), (N + kLanes - 1) / kLanes};
@@ -288,17 +313,19 @@ Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, 
   if (lora_a.has_value() && p.tail < p.M) {
     TORCH_CHECK(lora_b.has_value(), op, ": lora_a needs lora_b");
     p.R = lora_b->dim() == 3 ? lora_b->size(1) : 0;
+    const int64_t codes = gated ? 2 * p.R : p.R;
     check_packed(*lora_b, "lora_b", p.blocks, p.R, /*half_too=*/true);
-    check_packed(*lora_a, "lora_a", (p.R + kLanes - 1) / kLanes, p.K, /*half_too=*/true);
-    p.z.resize((p.M - p.tail) * p.R);  // the codes: a product of its own, too small to share among threads
+    check_packed(*lora_a, "lora_a", (codes + kLanes - 1) / kLanes, p.K, /*half_too=*/true);
+    p.z.resize((p.M - p.tail) * codes);  // the codes: a product of its own, too small to share among threads
     const float* rows = x.data_ptr<float>() + p.tail * p.K;
-    const int64_t code_blocks = (p.R + kLanes - 1) / kLanes;
+    const int64_t code_blocks = (codes + kLanes - 1) / kLanes;
     if (lora_a->scalar_type() == at::kHalf)  // an exact float16 factor: half its stream, the same products
-      rows_times_blocks(Product<float, c10::Half>{rows, p.M - p.tail, p.K, lora_a->data_ptr<c10::Half>(), p.R, nullptr,
+      rows_times_blocks(Product<float, c10::Half>{rows, p.M - p.tail, p.K, lora_a->data_ptr<c10::Half>(), codes, nullptr,
                                                   nullptr, nullptr, 0, p.M - p.tail, p.z.data()}, 0, code_blocks);
     else
-      rows_times_blocks(Product<float>{rows, p.M - p.tail, p.K, lora_a->data_ptr<float>(), p.R, nullptr, nullptr,
+      rows_times_blocks(Product<float>{rows, p.M - p.tail, p.K, lora_a->data_ptr<float>(), codes, nullptr, nullptr,
                                        nullptr, 0, p.M - p.tail, p.z.data()}, 0, code_blocks);
+    if (gated) p.odd_codes = split_codes(p.z, p.M - p.tail, p.R);
   }
   return p;
 }
@@ -323,7 +350,7 @@ at::Tensor float32_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N
   const float* codes = p.z.empty() ? nullptr : p.z.data();
   with_lora_b(p, lora_b, [&](const auto* b) {
     run_product(Product<Element<decltype(b)>>{x.data_ptr<float>(), p.M, p.K, packed.data_ptr<float>(), N, p.bias,
-                                              codes, b, p.R, p.tail, y.data_ptr<float>()}, p.blocks);
+                                              codes, b, p.R, p.tail, y.data_ptr<float>(), p.odd_codes}, p.blocks);
   });
   return y;
 }
@@ -562,7 +589,7 @@ at::Tensor pack_column_pairs(const at::Tensor& w) {
 template <int MR, int NV, class B, class Y>
 inline void pair_tile(const uint32_t* x, int64_t steps, const uint32_t* w, int64_t block,
                       const float* z, int64_t R, const B* b, int first, const float* bias, Y* y, int64_t ldy,
-                      int64_t valid) {
+                      int64_t valid, const float* z_odd = nullptr, int parity = 0) {
   __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
     for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
@@ -579,7 +606,7 @@ inline void pair_tile(const uint32_t* x, int64_t steps, const uint32_t* w, int64
                                      reinterpret_cast<const __m512bh&>(a));
     }
   }
-  finish_tile<MR, NV>(acc, z, R, b, first, bias, y, ldy, valid);
+  finish_tile<MR, NV>(acc, z, R, b, first, bias, y, ldy, valid, z_odd, parity);
 }
 
 template <class B, class Y>
@@ -593,12 +620,14 @@ struct PairProduct {
   const B* b;      // packed lora_b [blocks, R, 16], bfloat16
   int64_t R, tail;
   Y* y;  // [M, N]
+  int64_t odd_codes = 0;  // a gated product's: where the odd blocks' codes start after z (see finish_tile)
 
   template <int MR, int NV>
   void tile(int64_t m, int64_t blk, const float* codes, int first) const {
     const int64_t n = blk * kLanes;
     pair_tile<MR, NV>(x + m * steps, steps, w + blk * steps * kLanes, steps * kLanes, codes, R,
-                      codes ? b + blk * R * kLanes : nullptr, first, bias ? bias + n : nullptr, y + m * N + n, N, N - n);
+                      codes ? b + blk * R * kLanes : nullptr, first, bias ? bias + n : nullptr, y + m * N + n, N, N - n,
+                      codes && odd_codes ? codes + odd_codes : nullptr, int(blk & 1));
   }
 };
 
@@ -609,12 +638,10 @@ void check_pairs(const at::Tensor& t, const char* name, int64_t blocks, int64_t 
               blocks, ", ", steps, ", 16, 2]");
 }
 
-// y = x @ wᵀ (+ bias) for bfloat16 x [M, K] and w packed by pack_column_pairs, rounded once to bfloat16; rows from
-// tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ, with lora_a [R, K] packed by pack_column_pairs and lora_b [N, R] by
-// pack_columns (both bfloat16; the codes and the update in float32).
-at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
-                              const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
+// packed_pair_linear's product (below); gated: as prepare's (lora_a holds gate's and up's factors, lora_b alternates their blocks).
+at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                     int64_t tail_start, bool gated) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.is_contiguous(),
               "packed_pair_linear: x must be a contiguous [M, K] bfloat16 CPU tensor");
   TORCH_CHECK(N > 0, "packed_pair_linear: N must be positive");
@@ -641,7 +668,7 @@ at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int
   }
   const float* bias_data = bias_values.empty() ? nullptr : bias_values.data();
   const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
-  int64_t R = 0;
+  int64_t R = 0, odd_codes = 0;
   std::vector<float> z;
   const c10::BFloat16* b = nullptr;
   if (lora_a.has_value() && tail < M) {
@@ -651,19 +678,30 @@ at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int
                     lora_b->size(0) == blocks && lora_b->size(2) == kLanes,
                 "packed_pair_linear: lora_b must be a contiguous bfloat16 CPU tensor of pack_columns' layout [",
                 blocks, ", R, 16]");
-    check_pairs(*lora_a, "lora_a", (R + kLanes - 1) / kLanes, steps);
-    z.resize((M - tail) * R);  // the codes: a product of its own, too small to share among threads
+    const int64_t codes = gated ? 2 * R : R;
+    check_pairs(*lora_a, "lora_a", (codes + kLanes - 1) / kLanes, steps);
+    z.resize((M - tail) * codes);  // the codes: a product of its own, too small to share among threads
     rows_times_blocks(PairProduct<float, float>{pairs + tail * steps, M - tail, K, steps,
-                                                reinterpret_cast<const uint32_t*>(lora_a->data_ptr<c10::BFloat16>()), R,
-                                                nullptr, nullptr, nullptr, 0, M - tail, z.data()},
-                      0, (R + kLanes - 1) / kLanes);
+                                                reinterpret_cast<const uint32_t*>(lora_a->data_ptr<c10::BFloat16>()),
+                                                codes, nullptr, nullptr, nullptr, 0, M - tail, z.data()},
+                      0, (codes + kLanes - 1) / kLanes);
+    if (gated) odd_codes = split_codes(z, M - tail, R);
     b = lora_b->data_ptr<c10::BFloat16>();
   }
   run_product(PairProduct<c10::BFloat16, c10::BFloat16>{
                   pairs, M, K, steps, reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>()), N,
-                  bias_data, z.empty() ? nullptr : z.data(), b, R, tail, y.data_ptr<c10::BFloat16>()},
+                  bias_data, z.empty() ? nullptr : z.data(), b, R, tail, y.data_ptr<c10::BFloat16>(), odd_codes},
               blocks);
   return y;
+}
+
+// y = x @ wᵀ (+ bias) for bfloat16 x [M, K] and w packed by pack_column_pairs, rounded once to bfloat16; rows from
+// tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ, with lora_a [R, K] packed by pack_column_pairs and lora_b [N, R] by
+// pack_columns (both bfloat16; the codes and the update in float32).
+at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
+                              const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
+  return pair_rows(x, packed, N, bias, lora_a, lora_b, tail_start, /*gated=*/false);
 }
 #endif  // bfloat16
 
@@ -703,18 +741,22 @@ void gated_rows(const T* both, int64_t M, int64_t N, T* out) {
 // silu(x @ gateᵀ) * (x @ upᵀ) [M, N] for a gated MLP whose gate_proj and up_proj weights ([N, K] each, N a multiple
 // of 16, no bias) were packed together: their rows interleaved 16 at a time (gate's first 16, up's first 16, ...),
 // then packed by pack_columns (float32) or pack_column_pairs (bfloat16). One sweep over both; the LoRA tail as in
-// packed_row_linear / packed_pair_linear, with the two factors stacked the same way. gate and up get the bits of
-// their own packed products.
+// packed_row_linear / packed_pair_linear, with lora_a [2R, K] gate's R factor rows then up's, lora_b [2N, R] their
+// B rows interleaved as the weights', each block updated by its own factor's codes (finish_tile's z_odd). gate and
+// up get the bits of their own packed products.
 at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                                const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
                                int64_t tail_start) {
   TORCH_CHECK(N > 0 && N % kLanes == 0, "packed_gated_linear: N must be a positive multiple of 16");
   at::Tensor both;
   if (x.scalar_type() == at::kFloat) {
-    both = packed_row_linear(x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start);
+    both = float32_rows(x, packed, 2 * N,
+                        prepare("packed_gated_linear", x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start,
+                                /*gated=*/true),
+                        lora_b);
   } else {
 #ifdef HF_TIDAR_PACKED_BF16
-    both = packed_pair_linear(x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start);
+    both = pair_rows(x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start, /*gated=*/true);
 #else
     TORCH_CHECK(false, "packed_gated_linear: bfloat16 needs the AVX-512 BF16 build; x must be float32 here");
 #endif
