@@ -9,9 +9,9 @@ for a subclass whose forward makes one product of both weights (packed together,
 the same sweep over the same bytes), applies ``silu(gate) * up`` in the operator and hands the result to
 ``down_proj``. Gate and up values have the bits of their own packed products; ``silu`` is the library's (within a few
 ulp of torch's, the same for every row of every call), rounded as transformers rounds. The gated adapter's LoRA
-update of the ``[MASK]`` rows is part of the product, each output block updated by its own factor (in a batch, every sequence's
-``[MASK]`` rows are put last for the call). Autograd, other devices and dtypes, biases and bfloat16 draft rows take
-transformers' forward.
+update of the ``[MASK]`` rows is part of the product, each output block updated by its own factor (in a batch, every
+sequence's ``[MASK]`` rows are put last for the call). Autograd, other devices and dtypes, biases, bfloat16 draft rows
+and ``[MASK]`` rows of anything but ``[batch, length, features]`` inputs take transformers' forward.
 :func:`disable_gated_mlps` swaps the classes back; the packed copy is made on first use, again when a weight changes.
 """
 
@@ -71,7 +71,9 @@ def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
     flat = x.view(rows, x.shape[-1]) if x.is_contiguous() else x.reshape(rows, x.shape[-1]).contiguous()
     tail = getattr(gate, "tail", None)
     start = None if tail is None else tail.start
-    if start is None or x.dim() != 3 or start >= x.shape[1]:
+    if start is not None and x.dim() != 3:  # TailLoraLinear's own path knows where such rows' tail is
+        return super(type(self), self).forward(x)
+    if start is None or start >= x.shape[1]:
         hidden = self.gated_op(flat, self.gated_weights.of(weight, up._parameters["weight"]), gate.out_features,
                                None, None, rows)
         return self.down_proj(hidden.view(*x.shape[:-1], gate.out_features))
