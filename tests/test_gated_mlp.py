@@ -101,6 +101,19 @@ def test_enable_swaps_the_mlps_and_disable_swaps_them_back(monkeypatch, tmp_path
     assert all(type(m).__name__ == "LlamaMLP" and "gated_op" not in m.__dict__ for m in mlps)
 
 
+def test_a_weight_changed_after_enable_is_packed_again(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    model = cpu.enable(tiny_ar_model(vocab_size=40).float())
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        model(ids)  # packs every gate/up pair
+        for mlp in _mlps(model):
+            mlp.up_proj.weight.mul_(-2.0)  # in place: the same tensor, a new version
+        got = model(ids).logits
+        cpu.disable(model)
+        torch.testing.assert_close(got, model(ids).logits, rtol=1e-4, atol=1e-5)
+
+
 def _lean_adapter_model(dtype):
     """A tiny TiDAR model with a gated adapter that does something (PEFT starts B at zero), in its lean form."""
     ar = tiny_ar_model("llama", vocab_size=32, seed=0)

@@ -212,7 +212,9 @@ def gated_linear_kernel() -> Callable[..., torch.Tensor] | None:
     """``packed_gated_linear(x [M, K], packed, N, lora_a | None, lora_b | None, tail_start) -> [M, N]``
     (``packed_rows.cpp``): ``silu(x @ gateᵀ) * (x @ upᵀ)`` from gate and up weights ``[N, K]`` packed together (rows
     interleaved 16 at a time, then packed as the packed product packs float32 or, on the AVX-512 BF16 build,
-    bfloat16 weights), the LoRA factors stacked alike; ``None`` unless an AVX-512 build runs here."""
+    bfloat16 weights); with LoRA, ``lora_a`` ``[2R, K]`` (gate's factor rows, then up's) packed as the weights and
+    ``lora_b`` ``[2N, R]`` (their rows interleaved as the weights') packed as the product packs ``lora_b``, each output
+    block updated by its own factor; ``None`` unless an AVX-512 build runs here."""
     return _operator("packed_gated_linear", only_on=("avx512", "avx512_bf16"))
 
 
