@@ -92,3 +92,14 @@ def tail_last_order(batch: int, length: int, start: int) -> tuple[torch.Tensor, 
     index = torch.arange(batch * length).view(batch, length)
     order = torch.cat([index[:, :start].reshape(-1), index[:, start:].reshape(-1)])
     return order, torch.argsort(order)
+
+
+def mask_rows_last(x: torch.Tensor, start: int, product) -> torch.Tensor | None:
+    """``product(rows, tail_start)`` (a row-wise product of ``[rows, features]``) for a ``[batch, length, features]``
+    query whose rows from ``start`` on are ``[MASK]``, in one call: every sequence's clean rows, then every
+    ``[MASK]`` row (:func:`tail_last_order`), the output rows put back in place as ``[batch, length, -1]``; ``None``
+    where ``product`` returns ``None``."""
+    batch, length, features = x.shape
+    order, back = tail_last_order(batch, length, start)
+    out = product(x.reshape(batch * length, features).index_select(0, order), batch * start)
+    return None if out is None else out.index_select(0, back).view(batch, length, -1)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..cpu.linear import few_rows_lora_forward, linear_forward
-from ..mask_tail import MaskTail, ensure_mask_tail, tail_last_order
+from ..mask_tail import MaskTail, ensure_mask_tail, mask_rows_last
 
 
 class TailLoraLinear(nn.Linear):
@@ -65,11 +65,12 @@ class TailLoraLinear(nn.Linear):
         update made a batch-4 TiDAR pass on SmolLM2 19-30% dearer than without the adapter, in one call 12-18%
         (benchmarks/adapter_cost.py --batch-size 4).
         """
-        batch, length, features = x.shape
-        order, back = tail_last_order(batch, length, start)
-        rows = x.reshape(batch * length, features).index_select(0, order)
-        flat = few_rows_lora_forward(self, rows[None], batch * start)
-        return None if flat is None else flat[0].index_select(0, back).view(batch, length, -1)
+
+        def product(rows: torch.Tensor, tail_start: int) -> torch.Tensor | None:
+            out = few_rows_lora_forward(self, rows[None], tail_start)
+            return None if out is None else out[0]
+
+        return mask_rows_last(x, start, product)
 
 
 class TailEmbedding(nn.Embedding):

@@ -47,7 +47,7 @@ from .kernel import (
 )
 from .mlp import disable_gated_mlps, enable_gated_mlps
 from .norm import disable_norms, enable_norms
-from .packed import ColumnPackedProduct, PackedCopy
+from .packed import ColumnPackedProduct, PackedCopy, flat_rows, kernel_factors
 from .rotary import disable_rotary, enable_rotary
 
 logger = logging.getLogger(__name__)
@@ -265,11 +265,6 @@ def _bf16_tail_start(state: dict, rows: int) -> int | None:
     return start if _tail_in_bf16(state, rows, start) else None
 
 
-def _flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """``x`` as a contiguous ``[rows, features]`` matrix (a view where it already is one)."""
-    return x.view(rows, x.shape[-1]) if x.is_contiguous() else x.reshape(rows, x.shape[-1]).contiguous()
-
-
 def _exact_product(state: dict, x: torch.Tensor, rows: int, lora_a: torch.Tensor | None,
                    lora_b: torch.Tensor | None, tail_start: int) -> torch.Tensor | None:
     """A linear's product of ``rows`` rows of ``x`` (outside autograd, on the CPU) on its ``exact_op`` (see
@@ -279,7 +274,7 @@ def _exact_product(state: dict, x: torch.Tensor, rows: int, lora_a: torch.Tensor
     weight = params.get("weight")
     if weight is None or not 0 < rows <= state["exact_rows"] or not x.dtype == weight.dtype == state["plan_dtype"]:
         return None
-    return state["exact_op"](_flat_rows(x, rows), weight, params["bias"], lora_a, lora_b, tail_start)
+    return state["exact_op"](flat_rows(x, rows), weight, params["bias"], lora_a, lora_b, tail_start)
 
 
 def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -303,13 +298,13 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, weight, bias)
     draft_from = _bf16_tail_start(state, rows) if rows == x.shape[-2] else None
     if draft_from is not None:
-        out = module.draft_op(_flat_rows(x, rows), weight, bias, None, None, draft_from)
+        out = module.draft_op(flat_rows(x, rows), weight, bias, None, None, draft_from)
         return out.view(*x.shape[:-1], module.out_features)
     choice = state["choices"][rows - 1]
     if choice.method == "linear":
         return F.linear(x, weight, bias)
     if choice.method == "few_rows":  # the kernel takes any row count as it is and returns a contiguous result
-        out = state["few_row_op"](_flat_rows(x, rows), weight, bias, None, None, rows)
+        out = state["few_row_op"](flat_rows(x, rows), weight, bias, None, None, rows)
         return out.view(*x.shape[:-1], module.out_features)
     flat = x.reshape(rows, features)
     if choice.padded_rows > rows:
@@ -334,16 +329,14 @@ def few_rows_lora_forward(module: nn.Linear, x: torch.Tensor, tail_start: int) -
     state = module.__dict__
     rows = x.shape[-2]
     if state.get("exact_op") is not None and x.is_cpu:  # the usual pass: linear_forward's short path, about 1 µs less
-        buffers = state["_buffers"]
-        lora_a, lora_b = state.get("kernel_factors") or (buffers["lora_a"], buffers["lora_b"])
-        out = _exact_product(state, x, rows, lora_a, lora_b, tail_start)
+        out = _exact_product(state, x, rows, *kernel_factors(module), tail_start)
         if out is not None:
             return out.view(1, rows, module.out_features)
     kernel = state.get("few_row_op")
     weight, bias = _weight_and_bias(module)
     if kernel is None or not _plan_covers(state, weight, x, rows):
         return None
-    flat = _flat_rows(x, rows)
+    flat = flat_rows(x, rows)
     if _tail_in_bf16(state, rows, tail_start):  # the [MASK] tail in bfloat16, with the draft operator's factors
         out = module.draft_op(flat, weight, bias, *module.draft_factors, tail_start)
     else:
@@ -539,7 +532,7 @@ def _pack_columns(model: nn.Module, check_memory: bool) -> None:
             module.draft_op = product.with_tail_op(bf16_tail)
             module.draft_min_rows = PACKED_BF16_DRAFT_MIN_ROWS
             # The packed operator takes the factors the clean product takes (float32, or exact float16 ones).
-            module.draft_factors = module.__dict__.get("kernel_factors") or _factors(module)
+            module.draft_factors = kernel_factors(module)
 
 
 def _factors(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:

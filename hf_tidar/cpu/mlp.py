@@ -22,9 +22,9 @@ import functools
 import torch
 from torch import nn
 
-from ..mask_tail import tail_last_order
+from ..mask_tail import mask_rows_last
 from .kernel import gated_linear_kernel
-from .packed import ColumnPackedProduct, StackedCopy
+from .packed import ColumnPackedProduct, StackedCopy, flat_rows, kernel_factors
 
 MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
 """transformers' gated MLP classes whose forward is ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``."""
@@ -54,13 +54,6 @@ def _stacked_factors(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Ten
     return torch.cat([gate_a, up_a]), interleave_blocks(gate_b, up_b).contiguous()
 
 
-def _factors(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
-    state = linear.__dict__
-    if "lora_a" not in state.get("_buffers", {}):
-        return None
-    return state.get("kernel_factors") or (state["_buffers"]["lora_a"], state["_buffers"]["lora_b"])
-
-
 def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj, self.up_proj
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -68,7 +61,7 @@ def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() or not x.is_cpu or x.dtype != weight.dtype or x.dtype != self.gated_dtype \
             or not 0 < rows <= MAX_ROWS or up._parameters["weight"].dtype != x.dtype:
         return super(type(self), self).forward(x)
-    flat = x.view(rows, x.shape[-1]) if x.is_contiguous() else x.reshape(rows, x.shape[-1]).contiguous()
+    flat = flat_rows(x, rows)
     tail = getattr(gate, "tail", None)
     start = None if tail is None else tail.start
     if start is not None and x.dim() != 3:  # TailLoraLinear's own path knows where such rows' tail is
@@ -77,20 +70,18 @@ def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.gated_op(flat, self.gated_weights.of(weight, up._parameters["weight"]), gate.out_features,
                                None, None, rows)
         return self.down_proj(hidden.view(*x.shape[:-1], gate.out_features))
-    gate_factors, up_factors = _factors(gate), _factors(up)
-    if gate_factors is None or up_factors is None:
+    gate_factors, up_factors = kernel_factors(gate), kernel_factors(up)
+    if gate_factors[0] is None or up_factors[0] is None:
         return super(type(self), self).forward(x)
     lora_a, lora_b = self.gated_factors.of(*gate_factors, *up_factors)
-    batch, length = x.shape[:2]
-    order = back = None
-    if batch > 1:  # every sequence's [MASK] rows last: one tail for the row-wise product, then back in place
-        order, back = tail_last_order(batch, length, start)
-        flat = flat.index_select(0, order)
-    hidden = self.gated_op(flat, self.gated_weights.of(weight, up._parameters["weight"]), gate.out_features, lora_a,
-                           lora_b, batch * start)
-    if back is not None:
-        hidden = hidden.index_select(0, back)
-    return self.down_proj(hidden.view(batch, length, gate.out_features))
+    packed = self.gated_weights.of(weight, up._parameters["weight"])
+
+    def product(rows: torch.Tensor, tail_start: int) -> torch.Tensor:
+        return self.gated_op(rows, packed, gate.out_features, lora_a, lora_b, tail_start)
+
+    if x.shape[0] == 1:  # one sequence: its [MASK] rows are already the call's tail
+        return self.down_proj(product(flat, start).view(*x.shape[:-1], gate.out_features))
+    return self.down_proj(mask_rows_last(x, start, product))  # a batch: every sequence's [MASK] rows last
 
 
 @functools.cache

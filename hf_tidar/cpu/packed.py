@@ -16,6 +16,7 @@ import functools
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 
 class PackedCopy:
@@ -95,3 +96,21 @@ class ColumnPackedProduct:
         """The same call with ``multiply`` (e.g. bfloat16 draft rows) on this product's packed copies: one copy of
         the weights serves both."""
         return functools.partial(self.run, multiply)
+
+
+def flat_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x`` as a contiguous ``[rows, features]`` matrix (a view where it already is one)."""
+    return x.view(rows, x.shape[-1]) if x.is_contiguous() else x.reshape(rows, x.shape[-1]).contiguous()
+
+
+def kernel_factors(module: nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A lean adapter linear's LoRA factors as the kernel takes them: the exact float16 copies
+    :func:`hf_tidar.cpu.enable` made where it could (``kernel_factors``), else the factors themselves; ``(None, None)``
+    for a plain linear. Read from the module's dicts (``nn.Module.__getattr__`` costs about a microsecond a call, and
+    passes call this per linear)."""
+    state = module.__dict__
+    factors = state.get("kernel_factors")
+    if factors is not None:
+        return factors
+    buffers = state.get("_buffers", {})
+    return (buffers["lora_a"], buffers["lora_b"]) if buffers.get("lora_a") is not None else (None, None)
