@@ -37,10 +37,12 @@ def _tolerance(dtype):  # silu is the library's, not torch's: a few float32 ulps
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gate_rank, up_rank", [(0, 0), (4, 4), (20, 3)])  # 20: two blocks of codes, 3 padded
-def test_the_operator_is_silu_of_gate_times_up_and_a_rows_bits_do_not_depend_on_the_others(dtype, gate_rank, up_rank):
+@pytest.mark.parametrize("rows, tail", [(7, 4), (4, 2)])  # 4: a bfloat16 tile of six column blocks
+def test_the_operator_is_silu_of_gate_times_up_and_a_rows_bits_do_not_depend_on_the_others(dtype, gate_rank, up_rank,
+                                                                                           rows, tail):
     pack, multiply, pack_b = _products(dtype)
     g = torch.Generator().manual_seed(0)
-    n, k, rows, tail, rank = 48, 40, 7, 4, gate_rank
+    n, k, rank = 48, 40, gate_rank
     gate, up, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (n, k), (rows, k)))
     factors = [torch.randn(*shape, generator=g).to(dtype)
                for shape in ((gate_rank, k), (n, gate_rank), (up_rank, k), (n, up_rank))]
@@ -58,7 +60,7 @@ def test_the_operator_is_silu_of_gate_times_up_and_a_rows_bits_do_not_depend_on_
     want = F.silu(alone(gate, *factors[:2])) * alone(up, *factors[2:])
     assert got.shape == (rows, n) and got.dtype == dtype
     torch.testing.assert_close(got, want, **_tolerance(dtype))
-    for row in (0, 3, 4, 6):  # a clean row and a tail row, each alone
+    for row in range(rows):  # clean rows and tail rows, each alone
         one = kernel(x[row : row + 1].contiguous(), packed, n, *lora, 0 if row >= tail else 1)
         assert torch.equal(one, got[row : row + 1])
 

@@ -139,7 +139,7 @@ def _assert_bfloat16_rounding_of(got, reference):
 
 @needs_pairs
 @pytest.mark.parametrize("out_features,in_features", [(48, 32), (37, 19), (200, 72)])  # whole and partial blocks, odd K
-@pytest.mark.parametrize("rows", [1, 2, 5, 12, 13, 30])
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 12, 13, 30])  # 4: a tile of six column blocks
 def test_bfloat16_weights_packed_as_pairs_give_the_linear_and_a_rows_bits_whatever_the_row_count(out_features,
                                                                                                in_features, rows):
     pack, multiply, _ = packed_pair_kernel()
@@ -158,7 +158,7 @@ def test_bfloat16_weights_packed_as_pairs_give_the_linear_and_a_rows_bits_whatev
 
 @needs_pairs
 @pytest.mark.parametrize("rank", [4, 16, 20])
-@pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (5, 5), (20, 7)])
+@pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (5, 5), (20, 7), (4, 2)])
 def test_the_lora_tail_on_bfloat16_pairs_is_added_to_the_tail_rows_only(rank, rows, tail):
     pack, multiply, pack_columns = packed_pair_kernel()
     generator = torch.Generator().manual_seed(rank + rows)
