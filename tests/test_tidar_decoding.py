@@ -340,10 +340,10 @@ def test_layout_costs_are_timed_as_real_passes_once_and_cached(tmp_path, monkeyp
     costs = cost_profile.load_or_measure_layout_costs(model, plans)
     assert set(costs) == set(plans[:3]) and all(t > 0 for t in costs.values())  # 30 x 31 rows: from the curve
     per_round = [(6, 4, 2, 256 + 6), (2, 1, 1, 256 + 2), (3, 0, None, 256 + 3)]
-    assert calls == per_round * (cost_profile.PROFILE_REPEATS + 1)  # interleaved rounds, the first a warm-up
+    assert calls == per_round * (cost_profile.LAYOUT_REPEATS + 1)  # interleaved rounds, the first a warm-up
     calls.clear()
     again = cost_profile.load_or_measure_layout_costs(model, plans[:2] + [DraftPlan(2, (1,))])
-    assert calls == [(4, 2, 2, 256 + 4)] * (cost_profile.PROFILE_REPEATS + 1)  # only the new plan is timed
+    assert calls == [(4, 2, 2, 256 + 4)] * (cost_profile.LAYOUT_REPEATS + 1)  # only the new plan is timed
     assert again[plans[0]] == costs[plans[0]]
 
 
@@ -363,6 +363,31 @@ def test_pass_mix_adds_lookup_passes_after_which_diffusion_has_only_the_verified
     assert half.lookup == pytest.approx(0.5) and half.diffusion == pytest.approx([0.0, 0.25, 0.25])
     assert half.diffusion_tokens == pytest.approx(0.25 * 1 + 0.25 * 2)
     assert pass_mix(DraftPlan(3, (1,)), always, lookup_share=1.0).diffusion_share == pytest.approx(0.0)
+
+
+@pytest.mark.parametrize("layout", [DraftPlan(2, (1,)), DraftPlan(3, (1, 2)), DraftPlan(4, (1,)), DraftPlan(4, (1, 3))])
+@pytest.mark.parametrize("lookup_share", [0.0, 0.3, 0.85])
+def test_pass_mix_stops_at_the_chains_stationary_shares(layout, lookup_share):
+    """The power iteration stops once its shares settle: they are the stationary distribution, solved exactly."""
+    alpha = [1.0, 0.45, 0.4, 0.5, 0.55]
+    k = layout.draft_len
+    reach = [1.0]
+    for depth in range(1, k):
+        reach.append(reach[-1] * alpha[depth])
+    states = k + 1  # 0: a lookup pass, m: a diffusion pass with m drafts
+    moves = torch.zeros(states, states, dtype=torch.float64)
+    moves[0, 0], moves[0, 1] = lookup_share, 1 - lookup_share
+    for m in range(1, k + 1):
+        moves[m, 0] = lookup_share
+        for a in range(1, m + 1):
+            moves[m, layout.next_draft_len(a)] += (1 - lookup_share) * (reach[a - 1] - (reach[a] if a < m else 0.0))
+    # pi (moves - I) = 0 with the shares summing to one; the chain starts at m = k, so unreachable states get none
+    system = torch.cat([(moves - torch.eye(states, dtype=torch.float64)).T, torch.ones(1, states, dtype=torch.float64)])
+    target = torch.zeros(states + 1, dtype=torch.float64)
+    target[-1] = 1.0
+    stationary = torch.linalg.lstsq(system, target[:, None]).solution[:, 0]
+    mix = pass_mix(layout, alpha, lookup_share)
+    assert [mix.lookup, *mix.diffusion[1:]] == pytest.approx(stationary.tolist(), abs=1e-9)
 
 
 def test_auto_layout_prices_diffusion_layouts_beside_lookup_passes():

@@ -48,6 +48,8 @@ from .draft_plan import DraftPlan, verification_plan
 from .drafters import PRIOR_ACCEPTED, PRIOR_PASSES
 
 REPLAN_EVERY = 8  # passes between layout choices
+MAX_ITERATIONS = 64  # power-iteration steps of a pass mix, at most
+SETTLED = 1e-12  # a pass mix's shares moving less than this in a step (summed) have settled
 
 AR_STEP = verification_plan(1)
 """The candidate that drafts nothing, from any source: each pass is an AR step (the token chosen last, one
@@ -145,7 +147,8 @@ def pass_mix(layout: DraftPlan, alpha: list[float], lookup_share: float = 0.0) -
         reach.append(reach[-1] * alpha[depth])
     lookup, state = 0.0, [0.0] * (k + 1)
     state[k] = 1.0
-    for _ in range(64):  # power iteration over {lookup} and the diffusion passes' draft length m
+    next_len = [0] + [layout.next_draft_len(a) for a in range(1, k + 1)]  # after a accepted drafts
+    for _ in range(MAX_ITERATIONS):  # power iteration over {lookup} and the diffusion passes' draft length m
         nxt = [0.0] * (k + 1)
         nxt[1] += (1 - lookup_share) * lookup  # after a lookup pass, diffusion has only the verified token
         for m in range(1, k + 1):
@@ -153,8 +156,13 @@ def pass_mix(layout: DraftPlan, alpha: list[float], lookup_share: float = 0.0) -
                 continue
             for a in range(1, m + 1):
                 p_a = reach[a - 1] - (reach[a] if a < m else 0.0)
-                nxt[layout.next_draft_len(a)] += (1 - lookup_share) * state[m] * p_a
-        lookup, state = lookup_share * (lookup + sum(state)), nxt
+                nxt[next_len[a]] += (1 - lookup_share) * state[m] * p_a
+        nxt_lookup = lookup_share * (lookup + sum(state))
+        # The layout is re-chosen every few passes from these shares of every candidate: stop once they settle.
+        settled = abs(nxt_lookup - lookup) + sum(abs(x - y) for x, y in zip(nxt, state, strict=True)) < SETTLED
+        lookup, state = nxt_lookup, nxt
+        if settled:
+            break
     tokens = [sum(reach[:m]) for m in range(k + 1)]
     return PassMix(lookup, state, tokens)
 

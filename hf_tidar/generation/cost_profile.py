@@ -32,6 +32,9 @@ logger = get_logger(__name__)
 
 PROFILE_CACHE_LEN = 256  # cached tokens the cost is measured against
 PROFILE_REPEATS = 9
+#: rounds of the layouts' real passes (:func:`measure_layout_costs`): the chooser compares these directly, and on a
+#: noisy 2-core VM nine rounds left a 4-row pass priced above a 6-row one (15% apart; 60 rounds put it 9% below)
+LAYOUT_REPEATS = 21
 MASK_PROBE_QUERY = 4  # query tokens of the mask-overhead probe (half of them [MASK])
 LM_HEAD_ROWS = 9  # rows the LM head is timed on, against one row, for its per-row cost
 PROBE_RUNS = 4  # prefills timed before profiling (the first warms up): the time estimate and a noise reading
@@ -191,7 +194,7 @@ def measure_layout_costs(model, plans, cache_len: int = PROFILE_CACHE_LEN, repea
     return _interleaved_medians(plans, forward, cache, cache_len, device, repeats, on_round)
 
 
-def load_or_measure_layout_costs(model, plans, batch_size: int = 1, repeats: int = PROFILE_REPEATS) -> dict:
+def load_or_measure_layout_costs(model, plans, batch_size: int = 1, repeats: int = LAYOUT_REPEATS) -> dict:
     """:func:`measure_layout_costs` for the plans of at most :data:`LAYOUT_MAX_QUERY` query tokens, once per
     model/device/dtype/threads, adapter form and batch size, cached on disk (plans keyed as ``"k:g1,g2"``)."""
     batch = f"-batch{batch_size}" if batch_size > 1 else ""
@@ -318,8 +321,9 @@ def sync_device(device: torch.device) -> None:
 #: bumped when what a profile measures changes, so older cached curves are measured again
 #: (2: the LM head gets compact rows, which changed bf16 costs on CPUs several-fold;
 #: 3: profiles record the machine load and timing noise they were measured under;
-#: 4: lengths timed in interleaved rounds over one cache, the curve fitted non-decreasing)
-PROFILE_VERSION = 4
+#: 4: lengths timed in interleaved rounds over one cache, the curve fitted non-decreasing;
+#: 5: layouts' passes timed in LAYOUT_REPEATS rounds)
+PROFILE_VERSION = 5
 
 
 def profile_key(model) -> str:
