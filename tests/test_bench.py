@@ -230,3 +230,40 @@ def test_adapter_only_with_smollm2():
 
     with pytest.raises(ValueError, match="--adapter applies to the smollm2 model"):
         BenchConfig(model="tiny", adapter="shipped").validate()
+
+
+def test_methods_are_timed_interleaved_batch_by_batch_and_each_counts_only_its_own_forwards(monkeypatch):
+    from hf_tidar.bench import run as bench_run
+
+    ar, tokenizer = tiny_ar_model()
+    tokenizer.padding_side = "left"
+    models = Models(TidarForCausalLM.from_ar(ar, block_size=2, tokenizer=tokenizer).eval(), tokenizer,
+                    description="tiny")  # every method on this one model: a counter left on it would count them all
+    prompts = default_prompts(1)[:3]
+    calls = []
+    original = bench_run.MethodRun._call
+
+    def spy(run, rows):
+        calls.append((run.method.name, tuple(map(tuple, rows))))
+        return original(run, rows)
+
+    monkeypatch.setattr(bench_run.MethodRun, "_call", spy)
+
+    def bench(methods):
+        config = BenchConfig(model="tiny", draft_lengths=[2], auto_layout=False, methods=methods, max_new_tokens=8,
+                             repeats=2, prompts=prompts, threads=1)
+        calls.clear()
+        return {r["method"]: r for r in run_benchmark(config, models, progress=False)["results"]}
+
+    both = bench(["ar", "tidar"])
+    timed = calls[2:]  # after one warm-up call each
+    assert len(timed) == 2 * 3 * 2  # repeats x prompts x methods
+    for repeat in range(2):
+        for position in range(3):
+            pair = timed[(repeat * 3 + position) * 2 : (repeat * 3 + position) * 2 + 2]
+            assert {name for name, _ in pair} == {"ar", "tidar-k2"} and pair[0][1] == pair[1][1]  # one batch, both
+            assert pair[0][0] == ("ar", "tidar-k2")[(position + repeat) % 2]  # the order rotated batch by batch
+    alone = bench(["ar"])
+    assert both["ar"]["model_calls"] == alone["ar"]["model_calls"] == 3 * 8  # a prefill and 7 steps a prompt
+    assert both["tidar-k2"]["model_calls"] <= 3 * 8  # at least a token a pass
+    assert both["ar"]["tokens_per_s_repeats"] and len(both["tidar-k2"]["tokens_per_s_repeats"]) == 2

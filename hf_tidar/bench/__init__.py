@@ -8,8 +8,9 @@ and, when diffusion models are given, the teacher's vanilla and threshold decodi
 Metrics per (method, batch size, greedy/sampling):
 
 * ``tokens_per_s``: generated tokens (up to and including EOS) / wall time of ``generate``, the median
-  over ``repeats`` timed passes over all prompts, after one untimed warm-up call; the passes of all
-  methods are interleaved (repeat 1 of each, then repeat 2, ...) so load from other processes hits all alike;
+  over ``repeats`` timed passes over all prompts, after one untimed warm-up call; the methods are interleaved
+  batch by batch (every method generates a batch of prompts in turn, the order rotated from batch to batch), so a
+  slow phase of the machine lasting seconds, or load from other processes, hits all alike;
 * ``tokens_per_forward``: generated tokens / row-forwards of the main model, where a batched call of
   ``b`` rows counts ``b`` (prefill included, so AR decoding is exactly 1.0), counted by a hook on the
   backbone — the same count for every method, whether or not it reports its own;
