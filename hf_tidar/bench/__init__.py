@@ -15,9 +15,10 @@ Metrics per (method, batch size, greedy/sampling):
   ``b`` rows counts ``b`` (prefill included, so AR decoding is exactly 1.0), counted by a hook on the
   backbone — the same count for every method, whether or not it reports its own;
 * ``latency_s``: mean wall time of one ``generate`` call (one request of ``batch_size`` prompts);
-* ``peak_memory_mb``: CUDA: ``torch.cuda.max_memory_allocated`` over the run minus the allocation
-  before it; CPU: the peak resident set size (RSS, sampled every 5 ms from ``/proc/self/statm``) during
-  the run minus the RSS before it (``memory_method`` says which);
+* ``peak_memory_mb``: the largest over the first repeat's ``generate`` calls of, on CUDA,
+  ``torch.cuda.max_memory_allocated`` during the call minus the allocation before it; on a CPU, the peak resident
+  set size (RSS, sampled every 5 ms from ``/proc/self/statm``) during the call minus the RSS before it
+  (``memory_method`` says which);
 * ``identical_rate``: fraction of prompts whose generated tokens equal AR greedy decoding's at batch 1;
 * ``perplexity``: of the generated tokens under the AR model (the main model's causal forward);
   ``accuracy``: the ``#### N`` answer on arithmetic prompts (``None`` when there are none).
