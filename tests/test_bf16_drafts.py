@@ -15,7 +15,6 @@ from hf_tidar.bench import tiny_ar_model as tiny_byte_model
 from hf_tidar.bench.methods import build_methods
 from hf_tidar.cpu import linear as measured
 from hf_tidar.cpu.kernel import few_row_bf16_tail_kernel, few_row_kernel, supported_isas
-from hf_tidar.cpu.mlp import disable_gated_mlps
 from hf_tidar.generation.cost_profile import profile_key
 
 needs_bf16_kernel = pytest.mark.skipif(
@@ -105,18 +104,23 @@ def test_greedy_tidar_with_bfloat16_drafts_is_ar_token_for_token(draft_length, g
 def test_a_plain_forward_finds_its_tail_and_a_mask_before_it_keeps_float32(packed):
     model = TidarForCausalLM.from_ar(tiny_ar_model("llama", vocab_size=32).float(), block_size=4).eval()
     twin = copy.deepcopy(model)
-    cpu.enable(twin, packed=packed)  # float32 drafts on the same product: the bits clean rows must keep
-    disable_gated_mlps(twin)  # as the bfloat16-draft model's MLPs: two products and transformers' silu
+    cpu.enable(twin, packed=packed)  # float32 drafts on the same products: the bits clean rows must keep
     cpu.enable(model, draft_dtype=torch.bfloat16, packed=packed)
     least = measured.bf16_draft_min_rows(model)
     assert least == (measured.PACKED_BF16_DRAFT_MIN_ROWS if packed else measured.BF16_DRAFT_MIN_ROWS)
     # A linear with a draft operator takes the full path (its tail check), not the kernel linears' short one.
     assert not any("exact_op" in m.__dict__ for m in model.modules() if m.__dict__.get("draft_op") is not None)
     mask = model.config.mask_token_id
+    mlps = [m for m in model.modules() if type(m).__name__.endswith("MLP")]
+    tails = []  # packed: the gated MLPs' bfloat16-tail operator, with the tail start of each call
+    for mlp in mlps if packed else []:
+        assert type(mlp).__name__ == "MeasuredLlamaMLP"
+        mlp.gated_draft_op = lambda *args, op=mlp.gated_draft_op: tails.append(args[-1]) or op(*args)
     with torch.no_grad():
         tail = torch.tensor([[1, 2, 3, 4] + [mask] * least])
         got, want = model(tail).logits, twin(tail).logits
         assert torch.equal(got[:, :4], want[:, :4]) and not torch.equal(got[:, 4:], want[:, 4:])
+        assert tails == ([4] * len(mlps) if packed else [])
         short = tail[:, :-1]  # one [MASK] row fewer than bfloat16 takes: every row float32
         assert torch.equal(model(short).logits, twin(short).logits)
         inside = torch.tensor([[1, 2, mask, 3, 4] + [mask] * 9])  # not a tail: no row is a draft row

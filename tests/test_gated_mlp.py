@@ -11,7 +11,13 @@ from toy import assert_greedy_tidar_is_ar, counting_batch, tiny_ar_model, train_
 
 from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.adapters import to_lean
-from hf_tidar.cpu.kernel import gated_linear_kernel, packed_pair_kernel, packed_row_kernel
+from hf_tidar.cpu.kernel import (
+    gated_bf16_tail_kernel,
+    gated_linear_kernel,
+    packed_bf16_tail_kernel,
+    packed_pair_kernel,
+    packed_row_kernel,
+)
 from hf_tidar.cpu.mlp import _stacked_factors, disable_gated_mlps, interleave_blocks
 from hf_tidar.masks import tidar_training_layout
 from hf_tidar.tiny import TINY_BACKBONES
@@ -63,6 +69,37 @@ def test_the_operator_is_silu_of_gate_times_up_and_a_rows_bits_do_not_depend_on_
     for row in range(rows):  # clean rows and tail rows, each alone
         one = kernel(x[row : row + 1].contiguous(), packed, n, *lora, 0 if row >= tail else 1)
         assert torch.equal(one, got[row : row + 1])
+
+
+@pytest.mark.skipif(gated_bf16_tail_kernel() is None, reason="bfloat16 draft rows need the AVX-512 BF16 build")
+@pytest.mark.parametrize("gate_rank, up_rank", [(0, 0), (20, 3)])
+@pytest.mark.parametrize("rows, tail", [(12, 3), (7, 4), (16, 4), (14, 6), (9, 0), (5, 5)])  # 3 + 9 in one tile,
+def test_draft_rows_in_bfloat16_are_the_bf16_tail_products_and_clean_rows_keep_their_bits(  # two tiles, 6 clean
+        gate_rank, up_rank, rows, tail):
+    pack, _, _ = _products(torch.float32)
+    drafts, tail_product = gated_bf16_tail_kernel(), packed_bf16_tail_kernel()
+    g = torch.Generator().manual_seed(rows)
+    n, k = 48, 41  # an odd K: the last term in float32
+    gate, up, x = (torch.randn(*shape, generator=g) for shape in ((n, k), (n, k), (rows, k)))
+    factors = [torch.randn(*shape, generator=g) for shape in ((gate_rank, k), (n, gate_rank), (up_rank, k),
+                                                                (n, up_rank))]
+    packed = pack(interleave_blocks(gate, up).contiguous())
+    lora = (None, None)
+    if gate_rank:
+        stacked_a, stacked_b = _stacked_factors(*factors)
+        lora = (pack(stacked_a.contiguous()), pack(stacked_b))
+    got = drafts(x, packed, n, *lora, tail)
+    assert torch.equal(got[:tail], kernel(x, packed, n, *lora, tail)[:tail])
+
+    def alone(weight, a, b):  # one projection's bfloat16-tail product, its own LoRA factors
+        return tail_product(x, pack(weight), n, None, pack(a.contiguous()) if gate_rank else None,
+                            pack(b.contiguous()) if gate_rank else None, tail)
+
+    gate_out, up_out = alone(gate, *factors[:2]), alone(up, *factors[2:])
+    torch.testing.assert_close(got[tail:], (F.silu(gate_out) * up_out)[tail:], **_tolerance(torch.float32))
+    assert not torch.equal(got[tail:], kernel(x, packed, n, *lora, tail)[tail:]) or tail == rows
+    for row in range(tail, rows):  # a draft row's bits do not depend on the other rows
+        assert torch.equal(drafts(x[row : row + 1].contiguous(), packed, n, *lora, 0), got[row : row + 1])
 
 
 def test_the_operator_refuses_an_output_count_off_the_blocks():

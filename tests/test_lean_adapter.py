@@ -201,8 +201,7 @@ def test_bfloat16_drafts_take_their_factors_and_leave_clean_rows_alone(packed, t
     peft, lean, base = _gated_pair(torch.float32)
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
     monkeypatch.setattr(cpu_linear, "COLD_BYTES", 1 << 16)
-    cpu.enable(base, packed=packed)  # float32 drafts on the same product: the bits clean rows must keep
-    disable_gated_mlps(base)  # as the bfloat16-draft model's MLPs: two products and transformers' silu
+    cpu.enable(base, packed=packed)  # float32 drafts on the same products: the bits clean rows must keep
     cpu.enable(lean, draft_dtype=torch.bfloat16, packed=packed)
     q_proj = lean.model.layers[0].self_attn.q_proj
     lora_a = q_proj.draft_factors[0]

@@ -218,6 +218,13 @@ def gated_linear_kernel() -> Callable[..., torch.Tensor] | None:
     return _operator("packed_gated_linear", only_on=("avx512", "avx512_bf16"))
 
 
+def gated_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
+    """:func:`gated_linear_kernel`'s operator for float32 weights whose tail rows (TiDAR's ``[MASK]`` rows, drafts only)
+    are multiplied in bfloat16, as :func:`packed_bf16_tail_kernel` multiplies them; ``None`` unless the AVX-512 BF16
+    build runs here. Signature as that operator's; rows before ``tail_start`` have its float32 bits."""
+    return _operator("packed_gated_linear_bf16_tail", only_on=("avx512_bf16",))
+
+
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
     """The row-invariant attention operator (``row_attention.cpp``) for ``dtype`` (float32 or bfloat16, on
     every build), built on first use; ``None`` where the library cannot run here.

@@ -10,8 +10,11 @@ the same sweep over the same bytes), applies ``silu(gate) * up`` in the operator
 ``down_proj``. Gate and up values have the bits of their own packed products; ``silu`` is the library's (within a few
 ulp of torch's, the same for every row of every call), rounded as transformers rounds. The gated adapter's LoRA
 update of the ``[MASK]`` rows is part of the product, each output block updated by its own factor (in a batch, every
-sequence's ``[MASK]`` rows are put last for the call). Autograd, other devices and dtypes, biases, bfloat16 draft rows
-and ``[MASK]`` rows of anything but ``[batch, length, features]`` inputs take transformers' forward.
+sequence's ``[MASK]`` rows are put last for the call). A float32 model with bfloat16 draft rows
+(``hf_tidar.cpu.enable(model, draft_dtype=torch.bfloat16)``) multiplies a tail of as many ``[MASK]`` rows as its
+linears take in bfloat16 on the operator's bfloat16-tail variant, which gives the rows before the tail their float32
+bits. Autograd, other devices and dtypes, biases and ``[MASK]`` rows of anything but ``[batch, length, features]``
+inputs take transformers' forward.
 :func:`disable_gated_mlps` swaps the classes back; the packed copy is made on first use, again when a weight changes.
 """
 
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 
 from ..mask_tail import mask_rows_last
-from .kernel import gated_linear_kernel
+from .kernel import gated_bf16_tail_kernel, gated_linear_kernel
 from .packed import ColumnPackedProduct, StackedCopy, flat_rows, kernel_factors
 
 MLP_CLASSES = ("LlamaMLP", "Qwen2MLP", "Qwen3MLP", "MistralMLP")
@@ -62,7 +65,7 @@ def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
             or not 0 < rows <= MAX_ROWS or up._parameters["weight"].dtype != x.dtype:
         return super(type(self), self).forward(x)
     flat = flat_rows(x, rows)
-    tail = getattr(gate, "tail", None)
+    tail = gate.__dict__.get("tail") or gate.__dict__.get("draft_tail")  # a lean adapter's, or bfloat16 drafts'
     start = None if tail is None else tail.start
     if start is not None and x.dim() != 3:  # TailLoraLinear's own path knows where such rows' tail is
         return super(type(self), self).forward(x)
@@ -71,13 +74,15 @@ def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
                                None, None, rows)
         return self.down_proj(hidden.view(*x.shape[:-1], gate.out_features))
     gate_factors, up_factors = kernel_factors(gate), kernel_factors(up)
-    if gate_factors[0] is None or up_factors[0] is None:
+    if (gate_factors[0] is None) != (up_factors[0] is None):
         return super(type(self), self).forward(x)
-    lora_a, lora_b = self.gated_factors.of(*gate_factors, *up_factors)
+    lora_a, lora_b = (None, None) if gate_factors[0] is None else self.gated_factors.of(*gate_factors, *up_factors)
     packed = self.gated_weights.of(weight, up._parameters["weight"])
 
     def product(rows: torch.Tensor, tail_start: int) -> torch.Tensor:
-        return self.gated_op(rows, packed, gate.out_features, lora_a, lora_b, tail_start)
+        draft_rows = rows.shape[0] - tail_start
+        op = self.gated_draft_op if draft_rows >= self.gated_draft_min_rows else self.gated_op
+        return op(rows, packed, gate.out_features, lora_a, lora_b, tail_start)
 
     if x.shape[0] == 1:  # one sequence: its [MASK] rows are already the call's tail
         return self.down_proj(product(flat, start).view(*x.shape[:-1], gate.out_features))
@@ -90,35 +95,43 @@ def _measured_class(base: type) -> type:
     return type(f"Measured{base.__name__}", (base,), {"forward": _gated_forward, "measured_mlp_base": base})
 
 
-def _fits(module: nn.Module) -> bool:
+def _fits(module: nn.Module, drafts_in_bf16: bool) -> bool:
     """Whether ``module`` is a SiLU-gated MLP of :data:`MLP_CLASSES` whose gate and up projections are packed linears
-    of one dtype without biases or bfloat16 draft rows, with an output count the operator takes."""
+    of one dtype without biases, with an output count the operator takes; with bfloat16 draft rows only where the
+    operator's bfloat16-tail variant runs (``drafts_in_bf16``)."""
     if type(module).__name__ not in MLP_CLASSES or type(getattr(module, "act_fn", None)).__name__ not in (
             "SiLUActivation", "SiLU"):
         return False
     gate, up = getattr(module, "gate_proj", None), getattr(module, "up_proj", None)
     if not isinstance(gate, nn.Linear) or not isinstance(up, nn.Linear):
         return False
-    products = [m.__dict__.get("exact_op") for m in (gate, up)]
+    # A linear with bfloat16 draft rows has its packed product as few_row_op only (see hf_tidar.cpu.linear).
+    products = [m.__dict__.get("exact_op") or m.__dict__.get("draft_op") and m.__dict__.get("few_row_op")
+                for m in (gate, up)]
     return (all(isinstance(p, ColumnPackedProduct) for p in products) and gate.bias is None and up.bias is None
             and gate.weight.shape == up.weight.shape and gate.weight.dtype == up.weight.dtype
-            and gate.out_features % 16 == 0 and not any(m.__dict__.get("draft_op") for m in (gate, up)))
+            and gate.out_features % 16 == 0
+            and (drafts_in_bf16 or not any(m.__dict__.get("draft_op") for m in (gate, up))))
 
 
 def enable_gated_mlps(model: nn.Module) -> int:
     """Give ``model``'s fitting gated MLPs (see the module doc) the operator's forward; returns how many. Call after
     the linears are packed (:func:`hf_tidar.cpu.enable` does)."""
-    op = gated_linear_kernel()
+    op, draft_op = gated_linear_kernel(), gated_bf16_tail_kernel()
     if op is None:
         return 0
     count = 0
     for module in model.modules():
-        if not _fits(module):
+        if not _fits(module, drafts_in_bf16=draft_op is not None):
             continue
-        product = module.gate_proj.__dict__["exact_op"]
+        gate = module.gate_proj.__dict__
+        product = gate.get("exact_op") or gate["few_row_op"]
         pack, pack_lora_b = product.pack, product.pack_lora_b
         module.__class__ = _measured_class(type(module))
         module.gated_op, module.gated_dtype = op, module.gate_proj.weight.dtype
+        # Without bfloat16 drafts no tail reaches the bfloat16 variant.
+        module.gated_draft_op = draft_op if gate.get("draft_op") is not None else op
+        module.gated_draft_min_rows = gate.get("draft_min_rows", MAX_ROWS + 1)
         module.gated_weights = StackedCopy(lambda gate, up, pack=pack: pack(interleave_blocks(gate, up).contiguous()))
         module.gated_factors = StackedCopy(
             lambda *factors, pack=pack, pack_b=pack_lora_b: _pack_factors(_stacked_factors(*factors), pack, pack_b))
@@ -137,5 +150,6 @@ def disable_gated_mlps(model: nn.Module) -> None:
         base = getattr(type(module), "measured_mlp_base", None)
         if base is not None:
             module.__class__ = base
-            for name in ("gated_op", "gated_dtype", "gated_weights", "gated_factors"):
+            for name in ("gated_op", "gated_dtype", "gated_weights", "gated_factors", "gated_draft_op",
+                         "gated_draft_min_rows"):
                 module.__dict__.pop(name, None)

@@ -389,12 +389,12 @@ alignas(64) constexpr uint16_t kPairOrder[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 
 // A tile of MC clean rows (float32, packed_tile's order: their bits) and MT draft rows sharing one sweep over NV
 // column blocks (MC = 0: draft rows alone). xp holds each draft row's x rounded to bfloat16 as pairs (stride ldp
 // pairs), xt the draft rows in float32 (an odd K's last term, stride K); the draft rows then get their LoRA update
-// (codes z) in float32. Each step's two weight lines are loaded once, multiply-added into the clean rows
-// as they are and, rounded and interleaved, into the draft rows.
+// (codes z, and z_odd for a gated product's odd blocks: see finish_tile) in float32. Each step's two weight lines are
+// loaded once, multiply-added into the clean rows as they are and, rounded and interleaved, into the draft rows.
 template <int MC, int MT, int NV, class B>
 inline void mixed_tile(const float* x, int64_t ldx, const uint32_t* xp, int64_t ldp, const float* xt, int64_t K,
                        const float* w, int64_t block, const float* z, int64_t R, const B* b, const float* bias,
-                       float* y, int64_t ldy, int64_t valid) {
+                       float* y, int64_t ldy, int64_t valid, const float* z_odd = nullptr, int parity = 0) {
   constexpr int MR = MC + MT;
   __m512 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
@@ -427,7 +427,7 @@ inline void mixed_tile(const float* x, int64_t ldx, const uint32_t* xp, int64_t 
         acc[MC + i][v] = _mm512_fmadd_ps(_mm512_set1_ps(xt[i * K + k]), wl, acc[MC + i][v]);
     }
   }
-  finish_tile<MR, NV>(acc, z, R, b, MC, bias, y, ldy, valid);
+  finish_tile<MR, NV>(acc, z, R, b, MC, bias, y, ldy, valid, z_odd, parity);
 }
 
 // Column blocks per draft tile: MR x NV accumulators, NV interleaved weights, two lines being rounded, a broadcast.
@@ -449,6 +449,7 @@ struct DraftRows {
   const B* b;
   int64_t R;
   float* y;  // [T, N]
+  int64_t odd_codes = 0;  // a gated product's: where the odd blocks' codes start after z (see finish_tile)
 };
 
 // Draft rows m..m+MT-1 of `d`, after the MC clean rows of `clean_x` (MC > 0 only with m = 0: the clean rows are the
@@ -464,13 +465,14 @@ void mixed_row_tile(const float* clean_x, const DraftRows<B>& d, int64_t m, int6
     const float* w = d.w + blk * K * kLanes;
     const B* b = codes ? d.b + blk * d.R * kLanes : nullptr;
     const float* bias = d.bias ? d.bias + n : nullptr;
+    const float* odd = codes && d.odd_codes ? codes + d.odd_codes : nullptr;
     if (last_block - blk >= NV) {
       mixed_tile<MC, MT, NV>(clean_x, K, d.xp + m * d.ldp, d.ldp, d.x + m * K, K, w, K * kLanes, codes, d.R, b, bias,
-                             y + n, N, N - n);
+                             y + n, N, N - n, odd, int(blk & 1));
       blk += NV;
     } else {
       mixed_tile<MC, MT, 1>(clean_x, K, d.xp + m * d.ldp, d.ldp, d.x + m * K, K, w, K * kLanes, codes, d.R, b, bias,
-                            y + n, N, N - n);
+                            y + n, N, N - n, odd, int(blk & 1));
       blk += 1;
     }
   }
@@ -545,13 +547,9 @@ void mixed_product(const Product<B>& clean, const DraftRows<B>& drafts, int64_t 
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) { mixed_rows_times_blocks(clean, drafts, b0, b1); });
 }
 
-// packed_row_linear whose rows from tail_start on are drafts, multiplied in bfloat16: x and the weights rounded to
-// bfloat16, products summed in float32 (an odd K's last term in float32); their LoRA update, if given, as in
-// packed_row_linear. Rows before tail_start are bit for bit packed_row_linear's.
-at::Tensor packed_row_linear_bf16_tail(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
-                                       const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
-  const Prepared p = prepare("packed_row_linear_bf16_tail", x, packed, N, bias, lora_a, lora_b, tail_start);
+// The product of a prepared call whose rows from p.tail on are drafts (see packed_row_linear_bf16_tail).
+at::Tensor bf16_tail_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, const Prepared& p,
+                          const std::optional<at::Tensor>& lora_b) {
   if (p.tail == p.M) return float32_rows(x, packed, N, p, lora_b);
   at::Tensor y = at::empty({p.M, N}, x.options());
   const float* x_data = x.data_ptr<float>();
@@ -563,11 +561,22 @@ at::Tensor packed_row_linear_bf16_tail(const at::Tensor& x, const at::Tensor& pa
     using B = Element<decltype(b)>;
     const Product<B> clean{x_data, p.tail, p.K, w, N, p.bias, nullptr, nullptr, 0, p.tail, y_data};
     const DraftRows<B> drafts{pairs.data(), (p.K + 1) / 2, x_data + p.tail * p.K, p.M - p.tail, p.K, w, N, p.bias,
-                              codes, b, p.R, y_data + p.tail * N};
+                              codes, b, p.R, y_data + p.tail * N, p.odd_codes};
     mixed_product(clean, drafts, p.blocks);
   });
   return y;
 }
+
+// packed_row_linear whose rows from tail_start on are drafts, multiplied in bfloat16: x and the weights rounded to
+// bfloat16, products summed in float32 (an odd K's last term in float32); their LoRA update, if given, as in
+// packed_row_linear. Rows before tail_start are bit for bit packed_row_linear's.
+at::Tensor packed_row_linear_bf16_tail(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
+                                       const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
+  return bf16_tail_rows(x, packed, N, prepare("packed_row_linear_bf16_tail", x, packed, N, bias, lora_a, lora_b,
+                                              tail_start), lora_b);
+}
+
 // Bfloat16 weights (a bfloat16 model), packed by columns as pairs: [N/16, K/2, 16, 2], lane l of pair step s holding
 // (w[n, 2s], w[n, 2s + 1]) for the block's 16 outputs n, so one 64-byte line is one step of a block and vdpbf16ps
 // adds both products to each output's float32 sum: the row's input pair (x[2s], x[2s + 1]) is one broadcast 32-bit
@@ -758,17 +767,23 @@ void gated_rows(const T* both, int64_t M, int64_t N, T* out) {
 // packed_row_linear / packed_pair_linear, with lora_a [2R, K] gate's R factor rows then up's, lora_b [2N, R] their
 // B rows interleaved as the weights', each block updated by its own factor's codes (finish_tile's z_odd). gate and
 // up get the bits of their own packed products.
-at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
-                               const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
-                               int64_t tail_start) {
-  TORCH_CHECK(N > 0 && N % kLanes == 0, "packed_gated_linear: N must be a positive multiple of 16");
+// With draft_tail (float32 x and weights, the AVX-512 BF16 build), the rows from tail_start on are multiplied in
+// bfloat16 as packed_row_linear_bf16_tail multiplies them; the rows before keep their float32 bits.
+at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                        const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                        int64_t tail_start, bool draft_tail) {
+  const char* op = draft_tail ? "packed_gated_linear_bf16_tail" : "packed_gated_linear";
+  TORCH_CHECK(N > 0 && N % kLanes == 0, op, ": N must be a positive multiple of 16");
   at::Tensor both;
   if (x.scalar_type() == at::kFloat) {
-    both = float32_rows(x, packed, 2 * N,
-                        prepare("packed_gated_linear", x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start,
-                                /*gated=*/true),
-                        lora_b);
+    const Prepared p = prepare(op, x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start, /*gated=*/true);
+#ifdef HF_TIDAR_PACKED_BF16
+    both = draft_tail ? bf16_tail_rows(x, packed, 2 * N, p, lora_b) : float32_rows(x, packed, 2 * N, p, lora_b);
+#else
+    both = float32_rows(x, packed, 2 * N, p, lora_b);
+#endif
   } else {
+    TORCH_CHECK(!draft_tail, op, ": x must be float32 (bfloat16 draft rows are for float32 weights)");
 #ifdef HF_TIDAR_PACKED_BF16
     both = pair_rows(x, packed, 2 * N, std::nullopt, lora_a, lora_b, tail_start, /*gated=*/true);
 #else
@@ -784,6 +799,22 @@ at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed, in
   return out;
 }
 
+at::Tensor packed_gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                               const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
+                               int64_t tail_start) {
+  return gated_linear(x, packed, N, lora_a, lora_b, tail_start, /*draft_tail=*/false);
+}
+
+#ifdef HF_TIDAR_PACKED_BF16
+// packed_gated_linear whose rows from tail_start on are drafts (float32 x and weights): gate and up of those rows have
+// the bits of packed_row_linear_bf16_tail's products, the rows before tail_start packed_gated_linear's.
+at::Tensor packed_gated_linear_bf16_tail(const at::Tensor& x, const at::Tensor& packed, int64_t N,
+                                         const std::optional<at::Tensor>& lora_a,
+                                         const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
+  return gated_linear(x, packed, N, lora_a, lora_b, tail_start, /*draft_tail=*/true);
+}
+#endif
+
 }  // namespace
 
 #define HF_TIDAR_PACKED_FRAGMENT(name, m) TORCH_LIBRARY_FRAGMENT(name, m)
@@ -798,6 +829,9 @@ HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
   m.def("packed_row_linear_bf16_tail(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",
         &packed_row_linear_bf16_tail);
+  m.def("packed_gated_linear_bf16_tail(Tensor x, Tensor packed, int N, Tensor? lora_a, Tensor? lora_b, "
+        "int tail_start) -> Tensor",
+        &packed_gated_linear_bf16_tail);
   m.def("pack_column_pairs(Tensor weight) -> Tensor", &pack_column_pairs);
   m.def("packed_pair_linear(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",
