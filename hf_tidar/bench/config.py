@@ -44,6 +44,7 @@ class BenchConfig:
     # per lookup source: the model's own datastore ("adapter"), "none", or a datastore file
     datastores: list[str] = field(default_factory=lambda: ["adapter"])
     draft_dtypes: list[str] = field(default_factory=lambda: ["float32"])  # bfloat16: [MASK] rows in bf16 (CPU)
+    top_exact_head: bool = False  # the LM head in bfloat16 with each row's top exact, on every model on the path
 
     def validate(self) -> None:
         """Raise a ``ValueError`` that says what to change."""
@@ -62,6 +63,9 @@ class BenchConfig:
             raise ValueError(f"--draft-dtypes takes float32 and bfloat16, got {self.draft_dtypes}.")
         if "bfloat16" in self.draft_dtypes and (not self.cpu_linears or self.dtype != "float32"):
             raise ValueError("--draft-dtypes bfloat16 multiplies the [MASK] rows of a float32 model in bfloat16 on "
+                             "the CPU kernel: add --cpu-linears and keep --dtype float32.")
+        if self.top_exact_head and (not self.cpu_linears or self.dtype != "float32"):
+            raise ValueError("--top-exact-head computes a float32 LM head in bfloat16 with each row's top exact, on "
                              "the CPU kernel: add --cpu-linears and keep --dtype float32.")
         if not self.prompts:
             raise ValueError("No prompts to run: pass --prompts FILE or a positive --per-set.")

@@ -71,7 +71,7 @@ def load_models(config: BenchConfig) -> Models:
         if getattr(config, name):
             setattr(models, name, _load_diffusion(getattr(config, name), tokenizer).to(device=device, dtype=dtype).eval())
     if config.cpu_linears:
-        _use_measured_linears(models, bf16_drafts="bfloat16" in config.draft_dtypes)
+        _use_measured_linears(models, bf16_drafts="bfloat16" in config.draft_dtypes, top_exact_head=config.top_exact_head)
     return models
 
 
@@ -86,20 +86,22 @@ def _smollm2_with_adapter(adapter: str):
     return main, tokenizer, f"SmolLM2-135M-Instruct + gated TiDAR adapter ({folder.name})", ar_baseline
 
 
-def _use_measured_linears(models: Models, bf16_drafts: bool = False) -> None:
+def _use_measured_linears(models: Models, bf16_drafts: bool = False, top_exact_head: bool = False) -> None:
     """Every model on the measured CPU linear path; a stock-linear copy of the baseline stays for its own row,
-    and with ``bf16_drafts`` a copy of the main model drafts in bfloat16."""
+    and with ``bf16_drafts`` a copy of the main model drafts in bfloat16. With ``top_exact_head`` the AR and TiDAR
+    models compute their LM head top-exact in greedy calls (the diffusion models read whole distributions)."""
     import copy
 
     from .. import cpu
 
     models.stock_baseline = copy.deepcopy(models.baseline)
     if bf16_drafts:
-        models.main_bf16_drafts = cpu.enable(copy.deepcopy(models.main), draft_dtype=torch.bfloat16)
+        models.main_bf16_drafts = cpu.enable(copy.deepcopy(models.main), draft_dtype=torch.bfloat16,
+                                             top_exact_head=top_exact_head)
     for name in ("main", "ar_baseline", "assistant", "dlm_teacher", "cdlm_student"):
         model = getattr(models, name)
         if model is not None:
-            cpu.enable(model)
+            cpu.enable(model, top_exact_head=top_exact_head and name in ("main", "ar_baseline", "assistant"))
 
 
 def backbone(model: torch.nn.Module) -> torch.nn.Module:

@@ -225,6 +225,15 @@ def gated_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
     return _operator("packed_gated_linear_bf16_tail", only_on=("avx512_bf16",))
 
 
+def top_exact_kernel() -> Callable[..., torch.Tensor] | None:
+    """``top_exact_linear(x [M, K], pairs, weight [N, K], norms [N], watched) -> [M, N]`` (``packed_rows.cpp``):
+    float32 logits computed in bfloat16 from ``weight`` packed by :func:`packed_pair_kernel`'s ``pack`` (``pairs``),
+    with every output that could be its row's largest, and the ``watched`` ids, recomputed exactly (the packed float32
+    product's bits); ``norms`` are the weight rows' L2 norms, rounded up. ``None`` unless the AVX-512 BF16 build runs
+    here."""
+    return _operator("top_exact_linear", only_on=("avx512_bf16",))
+
+
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
     """The row-invariant attention operator (``row_attention.cpp``) for ``dtype`` (float32 or bfloat16, on
     every build), built on first use; ``None`` where the library cannot run here.

@@ -49,6 +49,7 @@ from .mlp import disable_gated_mlps, enable_gated_mlps
 from .norm import disable_norms, enable_norms
 from .packed import ColumnPackedProduct, PackedCopy, flat_rows, kernel_factors
 from .rotary import disable_rotary, enable_rotary
+from .top_exact_head import disable_top_exact_head, enable_top_exact_head, head_forward
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +286,10 @@ def linear_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     step, so it checks only what can differ between calls.
     """
     state = module.__dict__
+    if state.get("top_exact_head") is not None:  # an LM head in a greedy generate() call: only its top exact
+        out = head_forward(module, x)
+        if out is not None:
+            return out
     if state.get("exact_op") is not None and not torch.is_grad_enabled() and x.is_cpu:  # the usual step, checked first
         features = x.shape[-1]
         rows = x.numel() // features if features else 0
@@ -394,7 +399,8 @@ def exact_choices() -> list[Choice]:
 
 
 def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
-           draft_dtype: torch.dtype | str | None = None, packed: bool | None = None) -> nn.Module:
+           draft_dtype: torch.dtype | str | None = None, packed: bool | None = None,
+           top_exact_head: bool = False) -> nn.Module:
     """Make every CPU ``nn.Linear`` of ``model`` a :class:`MeasuredLinear` (in place; returns ``model``).
 
     Where this package's few-row kernel multiplies the weights' dtype, it takes every row count up to
@@ -428,6 +434,11 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     or the copies would take more than :data:`PACKED_MEMORY_SHARE` of the memory available (then a warning says
     so); ``True`` packs regardless, ``False`` never. With bfloat16 drafts, the packed product's own bfloat16-tail
     variant multiplies the draft rows (clean rows keep the packed product's bits).
+
+    ``top_exact_head`` (a float32 model, AVX-512 BF16): in ``generate()`` calls that read only each row's largest
+    logit (greedy, no scores, no processors but TiDAR's ``[MASK]`` suppression), the LM head is computed from a
+    bfloat16 copy with every logit that could be its row's largest recomputed exactly (:mod:`hf_tidar.cpu.top_exact_head`):
+    the same tokens, half the head's bytes. Elsewhere the head is unchanged; where it cannot run a warning says so.
     """
     plans: dict[tuple, list[Choice]] = {}
     dtypes = set()
@@ -460,6 +471,8 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     enable_gated_mlps(model)
     enable_norms(model)
     enable_rotary(model)
+    if top_exact_head:
+        enable_top_exact_head(model)
     return model
 
 
@@ -617,6 +630,7 @@ def disable(model: nn.Module) -> nn.Module:
                      "draft_factors", "draft_min_rows", "kernel_factors", "exact_op", "exact_rows"):
             module.__dict__.pop(name, None)
     disable_gated_mlps(model)
+    disable_top_exact_head(model)
     disable_norms(model)
     disable_rotary(model)
     before = model.__dict__.pop("_hf_tidar_attention_before", None)

@@ -39,7 +39,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -718,6 +720,73 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
   return y;
 }
 
+// Logits whose top is exact, for greedy decoding of a float32 model (an LM head: N outputs, no bias): the
+// product is computed in bfloat16 from a pair-packed copy of the weight (half the bytes of the float32 sweep),
+// and then, for every output that could still be a row's largest, again exactly. The bfloat16 value of output v
+// of row x differs from the float32 dot product by at most eps_v = c * |x|_2 * |w_v|_2 (norms: |w_v|_2 rounded
+// up, given): x and w rounded to nearest bfloat16 change each product by at most 2^-7 + 2^-16 of its magnitude,
+// vdpbf16ps's float32 sums add at most K * 2^-24 of the sum of magnitudes, and that sum is at most
+// |x|_2 * |w_v|_2 (Cauchy-Schwarz). An output whose upper bound y_v + eps_v lies below the largest lower bound
+// y_u - eps_u of the row cannot be its largest; every other one (the candidates, usually 1-10 of SmolLM2's
+// 49152) is recomputed as packed_row_linear computes it (one fused multiply-add per k, in order of k, from
+// zero: the same bits), and so are the `watched` outputs, which the lower bound does not count (a processor that
+// removes them, as TiDAR's [MASK] suppression does, leaves the row's largest among the exact values). The
+// other outputs keep their bfloat16 values, each certified below the row's exact largest.
+constexpr double kBf16ProductError = 1.0 / 128 + 1.0 / 65536;
+
+void certify_top(const float* x, int64_t K, const float* weight, const float* norms, int64_t N,
+                 const std::vector<int64_t>& watched, float* y) {
+  double squares = 0;
+  for (int64_t k = 0; k < K; ++k) squares += double(x[k]) * x[k];
+  // 1.001: room for the roundings of this bound's own float arithmetic.
+  const float scale = float(1.001 * (kBf16ProductError + 1.05 * K / 16777216.0) * std::sqrt(squares));
+  const float flushed = std::ldexp(float(K), -120);  // vdpbf16ps flushes subnormal products and sums to zero
+  std::vector<char> skip(N, 0);
+  for (int64_t id : watched) skip[id] = 1;
+  float low = -std::numeric_limits<float>::infinity();
+  for (int64_t v = 0; v < N; ++v)
+    if (!skip[v]) low = std::max(low, y[v] - scale * norms[v] - flushed);
+  auto exact = [&](int64_t v) {
+    const float* w = weight + v * K;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; ++k) acc = std::fma(x[k], w[k], acc);
+    y[v] = acc;
+  };
+  for (int64_t v = 0; v < N; ++v)
+    if (skip[v] || !(y[v] + scale * norms[v] + flushed < low)) exact(v);  // NaN: recomputed
+}
+
+// See certify_top: x float32 [M, K], pairs the weight [N, K] packed by pack_column_pairs, weight the float32 weight
+// itself, norms [N] its rows' L2 norms rounded up, watched the ids always computed exactly.
+at::Tensor top_exact_linear(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight,
+                            const at::Tensor& norms, const at::Tensor& watched) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "top_exact_linear: x must be a contiguous [M, K] float32 CPU tensor");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.size(1) == K,
+              "top_exact_linear: weight must be a contiguous [N, K] float32 tensor");
+  const int64_t N = weight.size(0), steps = (K + 1) / 2, blocks = (N + kLanes - 1) / kLanes;
+  check_pairs(pairs, "weight pairs", blocks, steps);
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == N,
+              "top_exact_linear: norms must be N contiguous float32 values");
+  TORCH_CHECK(watched.scalar_type() == at::kLong && watched.dim() == 1, "top_exact_linear: watched must be int64 ids");
+  std::vector<int64_t> ids(watched.data_ptr<int64_t>(), watched.data_ptr<int64_t>() + watched.numel());
+  for (int64_t id : ids) TORCH_CHECK(id >= 0 && id < N, "top_exact_linear: watched id ", id, " out of range");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const std::vector<uint32_t> rounded = bfloat16_pairs(x.data_ptr<float>(), M, K);
+  run_product(PairProduct<float, float>{rounded.data(), M, K, steps,
+                                        reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>()), N, nullptr,
+                                        nullptr, nullptr, 0, M, y.data_ptr<float>()},
+              blocks);
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      certify_top(x.data_ptr<float>() + m * K, K, weight.data_ptr<float>(), norms.data_ptr<float>(), N, ids,
+                  y.data_ptr<float>() + m * N);
+  });
+  return y;
+}
+
 // y = x @ wᵀ (+ bias) for bfloat16 x [M, K] and w packed by pack_column_pairs, rounded once to bfloat16; rows from
 // tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ, with lora_a [R, K] packed by pack_column_pairs and lora_b [N, R] by
 // pack_columns (both bfloat16; the codes and the update in float32).
@@ -833,6 +902,8 @@ HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
         "int tail_start) -> Tensor",
         &packed_gated_linear_bf16_tail);
   m.def("pack_column_pairs(Tensor weight) -> Tensor", &pack_column_pairs);
+  m.def("top_exact_linear(Tensor x, Tensor pairs, Tensor weight, Tensor norms, Tensor watched) -> Tensor",
+        &top_exact_linear);
   m.def("packed_pair_linear(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",
         &packed_pair_linear);

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..cpu.top_exact_head import top_exact_while
 from .cost_profile import (
     adapter_tag,
     interpolate,
@@ -211,14 +212,16 @@ class AutoDraftPlan:
         chooser = getattr(model, "_tidar_auto_plan", None)
         if chooser is None or chooser.key != key:
             block = model.config.block_size
-            chooser = cls(load_or_measure_costs(model, block * (block + 1)), block,
-                          load_or_measure_lm_head_cost(model), load_or_measure_mask_overhead(model))
-            chooser.layout_costs = load_or_measure_layout_costs(model, chooser.priced_passes())
+            with top_exact_while(model, True):  # passes timed with the head greedy decoding runs
+                chooser = cls(load_or_measure_costs(model, block * (block + 1)), block,
+                              load_or_measure_lm_head_cost(model), load_or_measure_mask_overhead(model))
+                chooser.layout_costs = load_or_measure_layout_costs(model, chooser.priced_passes())
             chooser.key = key
             model._tidar_auto_plan = chooser
         if batch_size > 1 and batch_size not in chooser.batch_costs:
-            chooser.batch_costs[batch_size] = load_or_measure_layout_costs(
-                model, chooser.priced_passes(), batch_size=batch_size, repeats=BATCH_REPEATS)
+            with top_exact_while(model, True):
+                chooser.batch_costs[batch_size] = load_or_measure_layout_costs(
+                    model, chooser.priced_passes(), batch_size=batch_size, repeats=BATCH_REPEATS)
         return chooser
 
     def priced_passes(self) -> list[DraftPlan]:

@@ -340,6 +340,8 @@ def profile_key(model) -> str:
         linears += f"-drafts-bf16-min{min_rows}"
     if is_packed(model):  # weights packed by columns: many-row passes cost less
         linears += "-packed"
+    if getattr(model, "top_exact_head", None) is not None:  # a head of half the bytes in greedy calls
+        linears += "-top-exact-head"
     return (f"v{PROFILE_VERSION}-{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
             f"-t{torch.get_num_threads()}{linears}")
 

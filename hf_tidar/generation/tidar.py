@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from contextlib import nullcontext
 
 import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 
 from .._warning_stacklevel import user_stacklevel
 from ..cpu import rows_are_call_invariant
+from ..cpu.top_exact_head import top_exact_while
 from .auto_plan import AutoDraftPlan
 from .branch_decoder import BranchingDecoder
 from .datastore import DraftDatastore
@@ -96,7 +98,8 @@ def tidar_decode(
     decoder_class = BranchingDecoder if draft_source == "both" else TidarDecoder
     decoder = decoder_class(model, input_ids, attention_mask, logits_processor, stopping_criteria, generation_config,
                             streamer, layout, verifier_weight, draft_source, lookup_length, datastore)
-    decoder.run(input_ids)
+    with top_exact_while(model, False) if verifier_weight != 1.0 else nullcontext():  # it reads distributions
+        decoder.run(input_ids)
     return decoder.result(input_ids.shape[1])
 
 
