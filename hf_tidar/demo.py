@@ -17,6 +17,7 @@ from transformers import TextStreamer
 from . import cpu
 from .assets import SHIPPED_ADAPTER
 from .checkpoints import load_smollm2
+from .cpu.kernel import top_exact_kernel
 from .modeling import TidarForCausalLM
 from .prompt_encoding import prompt_input_ids
 
@@ -83,7 +84,8 @@ def run_demo(
     The AR baseline is transformers' greedy ``generate`` on the *original* SmolLM2 checkpoint; the
     TiDAR model is the same weights plus the shipped gated adapter in its lean inference form. With
     ``cpu_linears`` TiDAR runs on the measured CPU linear path (:mod:`hf_tidar.cpu`), and AR on that
-    path is timed too, so the table shows both comparisons. Everything is warmed up once before timing.
+    path is timed too, so the table shows both comparisons; in float32 both then compute their LM head top-exact
+    (:mod:`hf_tidar.cpu.top_exact_head`: the same tokens from half the head's bytes) where the CPU has AVX-512 BF16. Everything is warmed up once before timing.
 
     In ``dtype`` bfloat16 both models run in bf16. Greedy TiDAR is then compared with AR on the same path
     (where it is exact on a CPU with AVX-512 BF16): stock bf16 ``generate`` rounds its matmuls otherwise, so
@@ -102,8 +104,10 @@ def run_demo(
         model = build_demo_model(ar_model, tokenizer, adapter, block_size)
         same_path_ar = None
         if cpu_linears:
-            same_path_ar = cpu.enable(copy.deepcopy(ar_model))
-            cpu.enable(model)
+            # float32 greedy decoding reads only argmaxes: the head's top exact, the rest from half the bytes
+            head = dtype == torch.float32 and top_exact_kernel() is not None
+            same_path_ar = cpu.enable(copy.deepcopy(ar_model), top_exact_head=head)
+            cpu.enable(model, top_exact_head=head)
         first_kind, first_prompt = prompts[0]
         warm = prompt_input_ids(tokenizer, first_prompt, chat=first_kind == "chat")
         for baseline in (ar_model, same_path_ar):

@@ -7,6 +7,7 @@ import copy
 import pytest
 import torch
 from toy import tiny_ar_model, train_counting_tidar
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.bench import BenchConfig, Models, default_prompts
@@ -111,6 +112,23 @@ def test_calls_that_read_more_than_argmaxes_keep_the_float32_head(options):
     assert calls == []
     with torch.no_grad():
         model.generate(prompts, **SETTINGS)
+    assert calls
+
+
+class ReadsScores(StoppingCriteria):
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("strategy", ["ar", "tidar"])
+def test_a_custom_stopping_criterion_keeps_the_float32_head(strategy):
+    model = cpu.enable(train_counting_tidar(block_size=4, steps=20).float(), top_exact_head=True)
+    calls = _spy(model)
+    with torch.no_grad():
+        model.generate(torch.tensor([[3, 4, 5, 6, 7]]), strategy=strategy,
+                       stopping_criteria=StoppingCriteriaList([ReadsScores()]), **SETTINGS)
+        assert calls == []
+        model.generate(torch.tensor([[3, 4, 5, 6, 7]]), strategy=strategy, **SETTINGS)  # the criteria generate builds
     assert calls
 
 

@@ -10,7 +10,8 @@ argmax is then the float32 head's, bit for bit; the other logits are approximate
 
 That is only right where nothing but the argmax is read, so the head computes this way only inside a
 ``generate()`` call that qualifies: greedy search (no sampling, one beam), no ``output_scores`` or
-``output_logits``, logits processors of :data:`SAFE_PROCESSORS` only (TiDAR's ``[MASK]`` suppression, whose id the
+``output_logits``, stopping criteria of :data:`SAFE_CRITERIA` only (a custom one may read the scores), logits
+processors of :data:`SAFE_PROCESSORS` only (TiDAR's ``[MASK]`` suppression, whose id the
 operator always computes exactly), exact verification in TiDAR (not the mixed verifier), and a model whose strategies
 read argmaxes only (AR and TiDAR, not the diffusion strategies, whose confidence thresholds read whole
 distributions). Everywhere else (direct forwards, sampling, scores, beam search, other processors) the head is the
@@ -32,6 +33,9 @@ from .packed import PackedCopy, flat_rows
 
 SAFE_PROCESSORS = ("MaskTokenSuppressor",)
 """Logits processors a qualifying ``generate()`` call may run: each touches only ids the head computes exactly."""
+
+SAFE_CRITERIA = ("MaxLengthCriteria", "MaxTimeCriteria", "EosTokenCriteria", "StopStringCriteria")
+"""Stopping criteria a qualifying call may run: none reads the scores (a custom criterion may)."""
 
 ARGMAX_STRATEGIES = ("ar", "tidar")
 """Strategies that read only argmaxes in greedy search (a model with others does not get the head)."""
@@ -91,12 +95,13 @@ def enable_top_exact_head(model: nn.Module) -> bool:
     head.top_exact_head = model.top_exact_head = state
     model.generate = functools.partial(_generate_in_scope, model, model.generate)
     model._get_logits_processor = functools.partial(_processors_in_scope, model, model._get_logits_processor)
+    model._get_stopping_criteria = functools.partial(_criteria_in_scope, model, model._get_stopping_criteria)
     return True
 
 
 def disable_top_exact_head(model: nn.Module) -> None:
     """Undo :func:`enable_top_exact_head`."""
-    for name in ("top_exact_head", "generate", "_get_logits_processor"):
+    for name in ("top_exact_head", "generate", "_get_logits_processor", "_get_stopping_criteria"):
         model.__dict__.pop(name, None)
     head = model.get_output_embeddings()
     if head is not None:
@@ -121,8 +126,18 @@ def _processors_in_scope(model: nn.Module, get_processors, generation_config, *a
         wants_values = bool(config.return_dict_in_generate) and bool(config.output_scores or config.output_logits)
         state.active = (not config.do_sample and (config.num_beams or 1) == 1 and not wants_values
                         and all(type(p).__name__ in SAFE_PROCESSORS for p in processors))
-        state.armed = False
     return processors
+
+
+def _criteria_in_scope(model: nn.Module, get_criteria, *args, **kwargs):
+    """transformers' stopping criteria for this call (built after the processors); any that may read the scores
+    turn the head back to the float32 product."""
+    criteria = get_criteria(*args, **kwargs)
+    state = model.top_exact_head
+    if state.armed:
+        state.active = state.active and all(type(c).__name__ in SAFE_CRITERIA for c in criteria)
+        state.armed = False
+    return criteria
 
 
 @contextmanager
