@@ -148,8 +148,10 @@ def test_a_bfloat16_head_warns_and_stays_as_it_is():
     assert getattr(model, "top_exact_head", None) is None
 
 
-def test_disable_takes_it_back():
+def test_enabling_twice_wraps_once_and_disable_takes_it_back():
     model = cpu.enable(tiny_ar_model(vocab_size=40).float(), top_exact_head=True)
+    cpu.enable(model, top_exact_head=True)
+    assert model.generate.args[1] == type(model).generate.__get__(model)  # the wrapper wraps transformers' own
     cpu.disable(model)
     assert "generate" not in model.__dict__ and getattr(model, "top_exact_head", None) is None
     assert "top_exact_head" not in model.get_output_embeddings().__dict__

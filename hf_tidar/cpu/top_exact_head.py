@@ -90,6 +90,7 @@ def enable_top_exact_head(model: nn.Module) -> bool:
     if reason is not None:
         warnings.warn(f"top_exact_head: {reason}; the head stays the float32 product.", stacklevel=3)
         return False
+    disable_top_exact_head(model)  # enabled again: one wrapper, not two
     mask_id = getattr(getattr(model, "config", None), "mask_token_id", None)
     state = TopExactHead(op, pairs[0], [] if mask_id is None else [mask_id])
     head.top_exact_head = model.top_exact_head = state
