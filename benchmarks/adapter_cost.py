@@ -7,7 +7,9 @@
 SmolLM2-135M-Instruct, float32 unless ``--dtype`` says otherwise. A TiDAR pass at draft length ``k`` with
 every pre-draft group is a query of ``k`` clean tokens followed by ``k * k`` ``[MASK]`` tokens (``k`` of
 them with ``--groups first``, the layouts that only pre-draft for "every draft accepted"); this times exactly that query against a
-cache of a 120-token prefix (cropped back after every call; ``k * k`` rows through the LM head, as a
+cache of a 120-token prefix (the decoder's own ``DraftCache``, which grows in place; until the twenty-seventh session
+this used transformers' ``DynamicCache``, which decoding does not use; cropped back
+after every call; ``k * k`` rows through the LM head, as a
 pass projects), for the model without an adapter and with
 the shipped adapter in its lean form, both on the measured CPU linear path (:mod:`hf_tidar.cpu`), and a
 one-token AR step on the same cache for scale. Calls alternate (plain, lean, AR step, plain, ...), so
@@ -24,11 +26,11 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache
 
 from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.adapters.lean import TailLoraLinear
 from hf_tidar.assets import SHIPPED_ADAPTER
+from hf_tidar.cache import DraftCache
 from hf_tidar.checkpoints import load_smollm2
 from hf_tidar.cpu.kernel import cpu_flags
 from hf_tidar.generation.draft_plan import DraftPlan
@@ -37,7 +39,7 @@ from hf_tidar.training.gated_lora import load_tidar_adapter
 PREFIX = 120
 
 
-def timed_forward(model, ids: torch.Tensor, cache: DynamicCache, plan: DraftPlan | None) -> float:
+def timed_forward(model, ids: torch.Tensor, cache: DraftCache, plan: DraftPlan | None) -> float:
     """Seconds for one forward of ``ids`` after ``cache`` and the LM head over ``plan``'s projected rows (one row
     without a plan: an AR step); the cache is cropped back to the prefix afterwards."""
     positions = torch.arange(PREFIX, PREFIX + ids.shape[1])[None]
@@ -110,7 +112,7 @@ def main() -> None:
     prefix = torch.randint(100, 20000, (args.batch_size, PREFIX), generator=torch.Generator().manual_seed(0))
     caches = {}
     for name, model in models.items():
-        caches[name] = DynamicCache(config=model.config)
+        caches[name] = DraftCache(config=model.config)  # the decoder's cache, grown in place
         model(input_ids=prefix, cache=caches[name], use_cache=True, logits_to_keep=1)
     flags = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16") if f in cpu_flags()]
     print(f"{platform.processor() or platform.machine()}, flags {' '.join(flags)}; torch {torch.__version__}, "
