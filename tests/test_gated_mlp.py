@@ -41,29 +41,38 @@ def _tolerance(dtype):  # silu is the library's, not torch's: a few float32 ulps
     return dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
 
 
+def _gated_case(dtype, rows: int, n: int, k: int, gate_rank: int, up_rank: int, seed: int, pack, pack_b):
+    """Random ``x`` [rows, k], gate and up weights [n, k] and their LoRA factors (both ranks 0, or neither), the pair
+    packed together, and the stacked factors packed as the operator takes them (``(None, None)`` at rank 0)."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (n, k), (rows, k)))
+    factors = [torch.randn(*shape, generator=g).to(dtype)
+               for shape in ((gate_rank, k), (n, gate_rank), (up_rank, k), (n, up_rank))]
+    lora = (None, None)
+    if gate_rank:
+        stacked_a, stacked_b = _stacked_factors(*factors)
+        lora = (pack(stacked_a.contiguous()), pack_b(stacked_b))
+    return x, gate, up, factors, pack(interleave_blocks(gate, up).contiguous()), lora
+
+
+def _alone(multiply, pack, pack_b, x, weight, a, b, tail: int):
+    """One projection of ``x`` on its own packed product (``multiply``) with its own LoRA factors (none at rank 0)."""
+    rank = a.shape[0]
+    return multiply(x, pack(weight), weight.shape[0], None, pack(a.contiguous()) if rank else None,
+                    pack_b(b.contiguous()) if rank else None, tail)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("gate_rank, up_rank", [(0, 0), (4, 4), (20, 3)])  # 20: two blocks of codes, 3 padded
 @pytest.mark.parametrize("rows, tail", [(7, 4), (4, 2)])  # 4: a bfloat16 tile of six column blocks
 def test_the_operator_is_silu_of_gate_times_up_and_a_rows_bits_do_not_depend_on_the_others(dtype, gate_rank, up_rank,
                                                                                            rows, tail):
     pack, multiply, pack_b = _products(dtype)
-    g = torch.Generator().manual_seed(0)
-    n, k, rank = 48, 40, gate_rank
-    gate, up, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (n, k), (rows, k)))
-    factors = [torch.randn(*shape, generator=g).to(dtype)
-               for shape in ((gate_rank, k), (n, gate_rank), (up_rank, k), (n, up_rank))]
-    packed = pack(interleave_blocks(gate, up).contiguous())
-    lora = (None, None)
-    if rank:
-        stacked_a, stacked_b = _stacked_factors(*factors)
-        lora = (pack(stacked_a.contiguous()), pack_b(stacked_b))
+    n = 48
+    x, gate, up, factors, packed, lora = _gated_case(dtype, rows, n, 40, gate_rank, up_rank, 0, pack, pack_b)
     got = kernel(x, packed, n, *lora, tail)
-
-    def alone(weight, a, b):  # one projection on its own packed product, its own LoRA factors
-        return multiply(x, pack(weight), n, None, pack(a.contiguous()) if rank else None, pack_b(b.contiguous())
-                        if rank else None, tail)
-
-    want = F.silu(alone(gate, *factors[:2])) * alone(up, *factors[2:])
+    want = (F.silu(_alone(multiply, pack, pack_b, x, gate, *factors[:2], tail))
+            * _alone(multiply, pack, pack_b, x, up, *factors[2:], tail))
     assert got.shape == (rows, n) and got.dtype == dtype
     torch.testing.assert_close(got, want, **_tolerance(dtype))
     for row in range(rows):  # clean rows and tail rows, each alone
@@ -78,24 +87,12 @@ def test_draft_rows_in_bfloat16_are_the_bf16_tail_products_and_clean_rows_keep_t
         gate_rank, up_rank, rows, tail):
     pack, _, _ = _products(torch.float32)
     drafts, tail_product = gated_bf16_tail_kernel(), packed_bf16_tail_kernel()
-    g = torch.Generator().manual_seed(rows)
-    n, k = 48, 41  # an odd K: the last term in float32
-    gate, up, x = (torch.randn(*shape, generator=g) for shape in ((n, k), (n, k), (rows, k)))
-    factors = [torch.randn(*shape, generator=g) for shape in ((gate_rank, k), (n, gate_rank), (up_rank, k),
-                                                                (n, up_rank))]
-    packed = pack(interleave_blocks(gate, up).contiguous())
-    lora = (None, None)
-    if gate_rank:
-        stacked_a, stacked_b = _stacked_factors(*factors)
-        lora = (pack(stacked_a.contiguous()), pack(stacked_b))
+    n = 48  # K = 41, odd: the last term in float32
+    x, gate, up, factors, packed, lora = _gated_case(torch.float32, rows, n, 41, gate_rank, up_rank, rows, pack, pack)
     got = drafts(x, packed, n, *lora, tail)
     assert torch.equal(got[:tail], kernel(x, packed, n, *lora, tail)[:tail])
-
-    def alone(weight, a, b):  # one projection's bfloat16-tail product, its own LoRA factors
-        return tail_product(x, pack(weight), n, None, pack(a.contiguous()) if gate_rank else None,
-                            pack(b.contiguous()) if gate_rank else None, tail)
-
-    gate_out, up_out = alone(gate, *factors[:2]), alone(up, *factors[2:])
+    gate_out = _alone(tail_product, pack, pack, x, gate, *factors[:2], tail)  # each projection's bfloat16-tail product
+    up_out = _alone(tail_product, pack, pack, x, up, *factors[2:], tail)
     torch.testing.assert_close(got[tail:], (F.silu(gate_out) * up_out)[tail:], **_tolerance(torch.float32))
     assert not torch.equal(got[tail:], kernel(x, packed, n, *lora, tail)[tail:]) or tail == rows
     for row in range(tail, rows):  # a draft row's bits do not depend on the other rows
