@@ -741,11 +741,11 @@ void certify_top(const float* x, int64_t K, const float* weight, const float* no
   // 1.001: room for the roundings of this bound's own float arithmetic.
   const float scale = float(1.001 * (kBf16ProductError + 1.05 * K / 16777216.0) * std::sqrt(squares));
   const float flushed = std::ldexp(float(K), -120);  // vdpbf16ps flushes subnormal products and sums to zero
-  std::vector<char> skip(N, 0);
-  for (int64_t id : watched) skip[id] = 1;
-  float low = -std::numeric_limits<float>::infinity();
-  for (int64_t v = 0; v < N; ++v)
-    if (!skip[v]) low = std::max(low, y[v] - scale * norms[v] - flushed);
+  // The watched outputs leave the lower bound (set to -inf, they are no candidate) and are recomputed after.
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  for (int64_t id : watched) y[id] = kNone;
+  float low = kNone;
+  for (int64_t v = 0; v < N; ++v) low = std::max(low, y[v] - scale * norms[v] - flushed);
   auto exact = [&](int64_t v) {
     const float* w = weight + v * K;
     float acc = 0.0f;
@@ -753,7 +753,8 @@ void certify_top(const float* x, int64_t K, const float* weight, const float* no
     y[v] = acc;
   };
   for (int64_t v = 0; v < N; ++v)
-    if (skip[v] || !(y[v] + scale * norms[v] + flushed < low)) exact(v);  // NaN: recomputed
+    if (!(y[v] + scale * norms[v] + flushed < low)) exact(v);  // NaN: recomputed
+  for (int64_t id : watched) exact(id);
 }
 
 // See certify_top: x float32 [M, K], pairs the weight [N, K] packed by pack_column_pairs, weight the float32 weight
