@@ -85,7 +85,8 @@ def run_demo(
     TiDAR model is the same weights plus the shipped gated adapter in its lean inference form. With
     ``cpu_linears`` TiDAR runs on the measured CPU linear path (:mod:`hf_tidar.cpu`), and AR on that
     path is timed too, so the table shows both comparisons; in float32 both then compute their LM head top-exact
-    (:mod:`hf_tidar.cpu.top_exact_head`: the same tokens from half the head's bytes) where the CPU has AVX-512 BF16. Everything is warmed up once before timing.
+    (:mod:`hf_tidar.cpu.top_exact_head`: the same tokens from half the head's bytes) where the CPU has AVX-512 BF16.
+    Everything is warmed up once before timing.
 
     In ``dtype`` bfloat16 both models run in bf16. Greedy TiDAR is then compared with AR on the same path
     (where it is exact on a CPU with AVX-512 BF16): stock bf16 ``generate`` rounds its matmuls otherwise, so

@@ -67,7 +67,8 @@ def test_a_watched_id_is_exact_and_removing_it_leaves_the_exact_top_of_the_rest(
     assert (exact.argmax(-1) == watched).sum() >= 8
     got[:, watched] = exact[:, watched] = float("-inf")  # as TiDAR's [MASK] suppression does
     best = exact.argmax(-1)
-    assert torch.equal(got.argmax(-1), best) and torch.equal(got.gather(1, best[:, None]), exact.gather(1, best[:, None]))
+    assert torch.equal(got.argmax(-1), best)
+    assert torch.equal(got.gather(1, best[:, None]), exact.gather(1, best[:, None]))
 
 
 def _spy(model) -> list[int]:
