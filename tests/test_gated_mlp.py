@@ -161,23 +161,6 @@ def _lean_adapter_model(dtype):
     return to_lean(peft.eval()).eval().to(dtype)
 
 
-def masked_batch(mask_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two sequences of 8 tokens (the second left-padded by 3) and 8 ``[MASK]`` rows each: ``(ids, attention)``."""
-    ids = counting_batch(2, 8, 32, torch.Generator().manual_seed(1))
-    attention = torch.ones_like(ids)
-    attention[1, :3] = 0
-    return torch.cat([ids, torch.full_like(ids, mask_id)], dim=1), attention
-
-
-def assert_each_sequence_alone_is_its_batch_row(model, batch: torch.Tensor, x: torch.Tensor,
-                                                attention: torch.Tensor) -> None:
-    """Each sequence of :func:`masked_batch` alone gets the bits of its row of ``batch`` (the batch's states)."""
-    for row in range(x.shape[0]):
-        alone = model.structured_hidden_states(x[row : row + 1], tidar_training_layout(attention[row : row + 1], 4),
-                                               mask_tail_start=8)
-        assert torch.equal(batch[row], alone[0])
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_lean_adapters_mask_rows_in_one_sequence_and_in_a_batch(dtype, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
@@ -185,14 +168,20 @@ def test_a_lean_adapters_mask_rows_in_one_sequence_and_in_a_batch(dtype, monkeyp
     separate = copy.deepcopy(fused)
     disable_gated_mlps(separate)
     calls = _count_calls(fused, monkeypatch)
-    x, attention = masked_batch(fused.config.mask_token_id)
+    ids = counting_batch(2, 8, 32, torch.Generator().manual_seed(1))
+    attention = torch.ones_like(ids)
+    attention[1, :3] = 0  # a left-padded row
+    x = torch.cat([ids, torch.full_like(ids, fused.config.mask_token_id)], dim=1)
     layout = tidar_training_layout(attention, 4)
     with torch.no_grad():
         batch = fused.structured_hidden_states(x, layout, mask_tail_start=8)
         assert calls and all(rows == 32 for rows in calls)  # one product of both sequences a layer
         torch.testing.assert_close(batch, separate.structured_hidden_states(x, layout, mask_tail_start=8),
                                    **(_tolerance(dtype) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)))
-        assert_each_sequence_alone_is_its_batch_row(fused, batch, x, attention)
+        for row in range(2):
+            alone = fused.structured_hidden_states(x[row : row + 1], tidar_training_layout(attention[row : row + 1], 4),
+                                                   mask_tail_start=8)
+            assert torch.equal(batch[row], alone[0])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

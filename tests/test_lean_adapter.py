@@ -10,7 +10,6 @@ from hf_tidar.adapters import lean as lean_module
 from hf_tidar.cpu import linear as cpu_linear
 from hf_tidar.cpu.kernel import few_row_kernel
 from hf_tidar.cpu.mlp import disable_gated_mlps
-from hf_tidar.cpu.qkv import disable_shared_qkv
 from hf_tidar.masks import tidar_training_layout
 from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
 
@@ -111,8 +110,7 @@ def test_a_passs_short_path_makes_one_kernel_call_per_linear_with_the_bits_of_th
     _, lean, _ = _gated_pair(dtype)
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
     cpu.enable(lean)
-    disable_gated_mlps(lean)  # every linear on its own (tests/test_gated_mlp.py has the MLPs' one product,
-    disable_shared_qkv(lean)  # tests/test_shared_qkv.py the attention's q, k and v as one)
+    disable_gated_mlps(lean)  # every linear on its own (tests/test_gated_mlp.py has the MLPs' one product)
     adapted = [m for m in lean.modules() if isinstance(m, lean_module.TailLoraLinear)]
     assert adapted and all(m.__dict__.get("exact_op") is not None for m in adapted)
     calls = []
@@ -140,8 +138,7 @@ def test_a_batch_takes_one_fused_call_per_linear_and_each_sequence_keeps_its_own
         pytest.skip(f"no few-row kernel for {dtype} here (float32: AVX2 + FMA; bfloat16: AVX-512 BF16; a compiler)")
     _, lean, _ = _gated_pair(dtype)
     _every_product_on_the_kernel(lean, tmp_path, monkeypatch)
-    disable_gated_mlps(lean)  # every linear on its own (tests/test_gated_mlp.py has the MLPs' one product,
-    disable_shared_qkv(lean)  # tests/test_shared_qkv.py the attention's q, k and v as one)
+    disable_gated_mlps(lean)  # every linear on its own (tests/test_gated_mlp.py has the MLPs' one product)
     calls = []
     original = cpu_linear.few_rows_lora_forward
 

@@ -48,7 +48,6 @@ from .kernel import (
 from .mlp import disable_gated_mlps, enable_gated_mlps
 from .norm import disable_norms, enable_norms
 from .packed import ColumnPackedProduct, PackedCopy, flat_rows, kernel_factors
-from .qkv import disable_shared_qkv, enable_shared_qkv
 from .rotary import disable_rotary, enable_rotary
 from .top_exact_head import disable_top_exact_head, enable_top_exact_head, head_forward
 
@@ -426,8 +425,7 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     attention modules that take it through transformers' ``kernels`` hook (Llama's, Qwen's, Mistral's) runs on one
     operator too (:mod:`hf_tidar.cpu.rotary`: transformers' bits, about 25 µs a layer less). Where the gate and up
     projections of a Llama-style gated MLP are packed, they become one product with ``silu(gate) * up`` in the same
-    operator (:mod:`hf_tidar.cpu.mlp`), and where an attention module's query, key and value projections are packed,
-    they become one product too (:mod:`hf_tidar.cpu.qkv`: each output with its own product's bits).
+    operator (:mod:`hf_tidar.cpu.mlp`).
 
     ``packed``: on the AVX-512 builds, float32 weights are multiplied from a copy packed by columns
     (:mod:`hf_tidar.cpu.packed`), and on the AVX-512 BF16 build bfloat16 weights from a copy packed by columns as
@@ -471,7 +469,6 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
         _pack_columns(model, check_memory)
     _give_exact_ops(model)
     enable_gated_mlps(model)
-    enable_shared_qkv(model)
     enable_norms(model)
     enable_rotary(model)
     if top_exact_head:
@@ -626,7 +623,6 @@ def disable(model: nn.Module) -> nn.Module:
     """Undo :func:`enable`: every :class:`MeasuredLinear` becomes a plain ``nn.Linear`` again, every RMSNorm and
     gated MLP its own class, every rotary embedding transformers' function, and the model's attention backend is the
     one it had before."""
-    disable_shared_qkv(model)  # first: its classes derive from MeasuredLinear
     for module in model.modules():
         if isinstance(module, MeasuredLinear):
             module.__class__ = nn.Linear

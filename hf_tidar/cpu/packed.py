@@ -83,11 +83,6 @@ class ColumnPackedProduct:
         self._lora_a = PackedCopy(lambda a: pack(a.contiguous()))
         self._lora_b = PackedCopy(lambda b: pack_b(b.contiguous()))
 
-    @property
-    def multiply(self) -> Callable[..., torch.Tensor]:
-        """The operator on the packed copies: ``(x, packed_weight, N, bias, packed_a, packed_b, tail_start) -> y``."""
-        return self._multiply
-
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor | None,
                  lora_b: torch.Tensor | None, tail_start: int) -> torch.Tensor:
         return self.run(self._multiply, x, weight, bias, lora_a, lora_b, tail_start)

@@ -332,7 +332,6 @@ def profile_key(model) -> str:
     attn = model.config.get_text_config()._attn_implementation
     from ..cpu import is_enabled  # the measured linear path changes every cost
     from ..cpu.linear import bf16_draft_min_rows, is_packed, machine_key
-    from ..cpu.qkv import has_shared_qkv
 
     # On that path the costs also follow the CPU and the kernel's build: a rebuilt kernel is timed afresh.
     linears = f"-measured-{machine_key()}" if is_enabled(model) else ""
@@ -343,8 +342,6 @@ def profile_key(model) -> str:
         linears += "-packed"
     if getattr(model, "top_exact_head", None) is not None:  # a head of half the bytes in greedy calls
         linears += "-top-exact-head"
-    if has_shared_qkv(model):  # q, k and v as one product: passes and steps cost less
-        linears += "-shared-qkv"
     return (f"v{PROFILE_VERSION}-{digest}-{model.device.type}-{str(model.dtype).removeprefix('torch.')}-{attn}"
             f"-t{torch.get_num_threads()}{linears}")
 
