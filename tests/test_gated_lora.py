@@ -152,6 +152,41 @@ def test_export_from_a_trainer_checkpoint_keeps_only_the_adapter(tmp_path):
                                    atol=1e-2, rtol=1e-2)  # fp16-stored adapter: close to the trained one
 
 
+def test_truncating_an_adapters_rank_keeps_each_updates_best_approximation_and_exact_output(tmp_path):
+    from safetensors.torch import load_file
+
+    from hf_tidar.training.gated_lora import save_gated_lora, saved_lora_config, truncate_adapter_rank
+
+    model, ar = _trained_gated_model(steps=30)
+    save_gated_lora(model, tmp_path / "rank4")
+    with pytest.raises(ValueError, match="at least 1"):
+        truncate_adapter_rank(tmp_path / "rank4", tmp_path / "rank0", 0)
+    kept = truncate_adapter_rank(tmp_path / "rank4", tmp_path / "rank1", 1)
+    same = truncate_adapter_rank(tmp_path / "rank4", tmp_path / "rank4-again", 4)  # its own rank: unchanged
+    assert kept and all(0 < share < 1 for share in kept.values()) and set(same.values()) == {1.0}
+    config = saved_lora_config(tmp_path / "rank1")
+    assert config.r == 1 and config.lora_alpha / config.r == saved_lora_config(tmp_path / "rank4").lora_alpha / 4
+    full, cut = (load_file(tmp_path / folder / "adapter_model.safetensors") for folder in ("rank4", "rank1"))
+    assert all(torch.equal(cut[n], t) for n, t in full.items() if "lora_embedding" in n)  # the [MASK] row's pair
+    for name in [n for n in full if n.endswith(".lora_A.weight")]:
+        delta = full[name.replace("lora_A", "lora_B")].double() @ full[name].double()
+        u, s, vh = torch.linalg.svd(delta)
+        best = s[0] * torch.outer(u[:, 0], vh[0])  # Eckart–Young: the best rank-1 approximation
+        assert cut[name].shape[0] == 1
+        torch.testing.assert_close(cut[name.replace("lora_A", "lora_B")].double() @ cut[name].double(), best,
+                                   rtol=1e-5, atol=1e-6)  # the factors are stored in float32
+        assert kept[name.removesuffix(".lora_A.weight")] == pytest.approx(float(s[0] ** 2 / (s ** 2).sum()))
+    truncated = load_tidar_adapter(ar, tmp_path / "rank1")
+    prompt = counting_batch(1, 5, VOCAB, torch.Generator().manual_seed(1))
+    kwargs = dict(max_new_tokens=12, eos_token_id=None, attention_mask=torch.ones_like(prompt))
+    assert torch.equal(truncated.generate(prompt, strategy="tidar", **kwargs),
+                       ar.generate(prompt, do_sample=False, **kwargs))
+    with torch.no_grad():  # the drafts changed: the update is not rank 1
+        x = torch.cat([prompt, torch.full_like(prompt, truncated.config.mask_token_id)], 1)
+        full_rank = load_tidar_adapter(ar, tmp_path / "rank4")
+        assert not torch.allclose(truncated(input_ids=x).logits, full_rank(input_ids=x).logits)
+
+
 # Options a gate on lora_A's output can't cover: each acts on clean tokens too (or, for DoRA, not through lora_A).
 UNGATEABLE = [
     (dict(lora_bias=True), "lora_bias"),

@@ -42,7 +42,15 @@ import torch
 from torch import nn
 
 from .._quiet import ignore_warnings
-from ..adapter_format import DATASTORE_FILE, GATE_FILE, as_gated_config, mark_gated, read_lora_config
+from ..adapter_format import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    DATASTORE_FILE,
+    GATE_FILE,
+    as_gated_config,
+    mark_gated,
+    read_lora_config,
+)
 from .mask_gate import install_mask_gate, tidar_model_of
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -331,3 +339,56 @@ def export_gated_adapter(checkpoint: str | os.PathLike, base_tidar: nn.Module, o
     tensors = {name: tensor.to(dtype) for name, tensor in load_file(weights).items()}
     save_file(tensors, weights, metadata={"format": "pt"})
     return Path(output)
+
+
+def truncate_adapter_rank(folder: str | os.PathLike, output: str | os.PathLike, rank: int) -> dict[str, float]:
+    """Write a copy of a gated adapter folder whose linear LoRA pairs have at most ``rank`` ranks.
+
+    Each pair's update ``scale · B A`` is replaced by its best approximation of rank ``rank`` (Eckart–Young: the
+    update's first ``rank`` singular values and vectors, split evenly between the new ``A`` and ``B``), with the
+    scale kept (``lora_alpha`` follows ``r``). An update that is close to low-rank keeps its drafts for a fraction
+    of the factors' bytes, which every TiDAR pass streams; the base model and the gate are untouched, so output
+    stays exact. The embedding's ``[MASK]`` pair and every other file (gate, datastore, card) are copied as they are;
+    factors keep their stored dtype. Returns, per linear module, the share of the update's squared singular values
+    the kept ranks hold (1.0 where the module's rank was already at most ``rank``).
+    """
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    if rank < 1:
+        raise ValueError(f"rank must be at least 1, got {rank}.")
+    source, target = Path(folder), Path(output)
+    config = json.loads((source / ADAPTER_CONFIG).read_text())
+    if config.get("rank_pattern", {}).keys() - {"embed_tokens"} or config.get("use_rslora"):
+        raise ValueError("truncate_adapter_rank takes adapters with one rank for every linear module (no rank_pattern "
+                         "beyond the embedding) and plain LoRA scaling (use_rslora=False).")
+    old_rank = int(config["r"])
+    tensors = load_file(source / ADAPTER_WEIGHTS)
+    kept: dict[str, float] = {}
+    for name_a in [n for n in tensors if n.endswith(".lora_A.weight")]:
+        name_b = name_a.replace(".lora_A.", ".lora_B.")
+        a, b, share = _best_low_rank_pair(tensors[name_a], tensors[name_b], rank)
+        tensors[name_a], tensors[name_b] = a, b
+        kept[name_a.removesuffix(".lora_A.weight")] = share
+    if target.resolve() != source.resolve():
+        shutil.copytree(source, target, dirs_exist_ok=True)
+    new_rank = min(rank, old_rank)
+    alpha = config["lora_alpha"] * new_rank / old_rank  # the same scale, lora_alpha / r
+    config["lora_alpha"] = int(alpha) if float(alpha).is_integer() else alpha
+    config["r"] = new_rank
+    save_file(tensors, target / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    (target / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    return kept
+
+
+def _best_low_rank_pair(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(A', B', share)``: factors of at most ``rank`` ranks whose product ``B' A'`` is the best approximation of
+    ``B A`` of that rank (its first singular values, their roots on each side), in the factors' dtypes, and the
+    share of ``B A``'s squared singular values they keep."""
+    if a.shape[0] <= rank:
+        return a, b, 1.0
+    u, s, vh = torch.linalg.svd(b.double() @ a.double(), full_matrices=False)
+    root = s[:rank].sqrt()
+    share = float((s[:rank] ** 2).sum() / (s ** 2).sum()) if s.any() else 1.0
+    return (root[:, None] * vh[:rank]).to(a.dtype).contiguous(), (u[:, :rank] * root).to(b.dtype).contiguous(), share
