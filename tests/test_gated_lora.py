@@ -153,6 +153,9 @@ def test_export_from_a_trainer_checkpoint_keeps_only_the_adapter(tmp_path):
 
 
 def test_truncating_an_adapters_rank_keeps_each_updates_best_approximation_and_exact_output(tmp_path):
+    import json
+    import shutil
+
     from safetensors.torch import load_file
 
     from hf_tidar.training.gated_lora import save_gated_lora, saved_lora_config, truncate_adapter_rank
@@ -161,6 +164,11 @@ def test_truncating_an_adapters_rank_keeps_each_updates_best_approximation_and_e
     save_gated_lora(model, tmp_path / "rank4")
     with pytest.raises(ValueError, match="at least 1"):
         truncate_adapter_rank(tmp_path / "rank4", tmp_path / "rank0", 0)
+    shutil.copytree(tmp_path / "rank4", tmp_path / "own-alpha")
+    config_path = tmp_path / "own-alpha" / "adapter_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "alpha_pattern": {"q_proj": 8}}))
+    with pytest.raises(ValueError, match="alpha_pattern"):  # q_proj's scale would change with r
+        truncate_adapter_rank(tmp_path / "own-alpha", tmp_path / "own-alpha-r1", 1)
     kept = truncate_adapter_rank(tmp_path / "rank4", tmp_path / "rank1", 1)
     same = truncate_adapter_rank(tmp_path / "rank4", tmp_path / "rank4-again", 4)  # its own rank: unchanged
     assert kept and all(0 < share < 1 for share in kept.values()) and set(same.values()) == {1.0}

@@ -360,9 +360,11 @@ def truncate_adapter_rank(folder: str | os.PathLike, output: str | os.PathLike, 
         raise ValueError(f"rank must be at least 1, got {rank}.")
     source, target = Path(folder), Path(output)
     config = json.loads((source / ADAPTER_CONFIG).read_text())
-    if config.get("rank_pattern", {}).keys() - {"embed_tokens"} or config.get("use_rslora"):
-        raise ValueError("truncate_adapter_rank takes adapters with one rank for every linear module (no rank_pattern "
-                         "beyond the embedding) and plain LoRA scaling (use_rslora=False).")
+    # A module's own alpha would turn into another scale once r changes; the embedding keeps its rank (1).
+    patterns = (config.get("rank_pattern") or {}).keys() | (config.get("alpha_pattern") or {}).keys()
+    if patterns - {"embed_tokens"} or config.get("use_rslora"):
+        raise ValueError("truncate_adapter_rank takes adapters with one rank and one alpha for every linear module (no "
+                         "rank_pattern or alpha_pattern beyond the embedding) and plain LoRA scaling (use_rslora=False).")
     old_rank = int(config["r"])
     tensors = load_file(source / ADAPTER_WEIGHTS)
     kept: dict[str, float] = {}
