@@ -70,7 +70,8 @@ def load_model(run: Path, which: str):
     if ar.config.vocab_size < teacher.config.get_text_config().vocab_size:  # saved before the vocabulary grew
         ar.resize_token_embeddings(teacher.config.get_text_config().vocab_size)
     converted = CdlmForCausalLM.from_ar(ar, block_size=teacher.config.block_size,
-                                        mask_token_id=teacher.config.mask_token_id)
+                                        mask_token_id=teacher.config.mask_token_id,
+                                        prompt_attention=teacher.config.prompt_attention)
     converted.generation_config.eos_token_id = teacher.generation_config.eos_token_id
     return converted.eval()
 

@@ -59,7 +59,7 @@ def backbone_config(tokenizer, hidden: int, layers: int, max_positions: int = 25
 
 
 def new_teacher(tokenizer, block_size: int, hidden: int = 128, layers: int = 4,
-                max_positions: int = 256) -> CdlmForCausalLM:
+                max_positions: int = 256, prompt_attention: str = "bidirectional") -> CdlmForCausalLM:
     """A randomly initialised bidirectional LLaDA-style (unshifted) diffusion LM on a Llama backbone."""
     config = CdlmConfig(
         text_config=backbone_config(tokenizer, hidden, layers, max_positions).to_dict(),
@@ -67,13 +67,15 @@ def new_teacher(tokenizer, block_size: int, hidden: int = 128, layers: int = 4,
         block_size=block_size,
         mask_token_id=tokenizer.mask_token_id,
         shift_logits=False,
+        prompt_attention=prompt_attention,
     )
     return _with_generation_ids(CdlmForCausalLM(config), tokenizer)
 
 
-def teacher_from_ar(ar_model, tokenizer, block_size: int) -> CdlmForCausalLM:
+def teacher_from_ar(ar_model, tokenizer, block_size: int, prompt_attention: str = "bidirectional") -> CdlmForCausalLM:
     """A bidirectional Dream-style (shifted) diffusion LM starting from an AR model's weights."""
-    teacher = CdlmForCausalLM.from_ar(ar_model, block_size=block_size, mask_token_id=tokenizer.mask_token_id)
+    teacher = CdlmForCausalLM.from_ar(ar_model, block_size=block_size, mask_token_id=tokenizer.mask_token_id,
+                                      prompt_attention=prompt_attention)
     return _with_generation_ids(teacher, tokenizer)
 
 
@@ -288,6 +290,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--teacher-attention", choices=("bidirectional", "block_causal"), default="bidirectional",
                         help="the mask the teacher trains (and is saved) under; block_causal: the student's mask, "
                              "to measure what the teacher keeps when later blocks are out of view")
+    parser.add_argument("--prompt-attention", choices=("bidirectional", "causal"), default=None,
+                        help="how the teacher's (and so the student's) prompt tokens attend among themselves "
+                             "(default bidirectional, or --teacher-from's own); causal keeps the AR warm start's "
+                             "encoding of the prompt through the conversion")
     parser.add_argument("--student-from", type=Path, default=None,
                         help="start the student from this diffusion LM (e.g. a --teacher-attention block_causal "
                              "run's teacher) instead of the teacher; it still learns the teacher's trajectories")
@@ -320,6 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
         if teacher.config.block_size != args.block_size:
             parser.error(f"--teacher-from has block size {teacher.config.block_size}; pass --block-size "
                          f"{teacher.config.block_size}.")
+        if args.prompt_attention not in (None, teacher.config.prompt_attention):
+            parser.error(f"--teacher-from attends over its prompt as {teacher.config.prompt_attention!r}; drop "
+                         "--prompt-attention or pass that.")
         teacher = _with_generation_ids(teacher, tokenizer)
     elif args.ar_steps:
         if args.ar_from is not None:  # continue an earlier run's warm start (a new schedule)
@@ -337,9 +346,10 @@ def main(argv: list[str] | None = None) -> dict:
         ar_accuracy = ar_greedy_accuracy(ar_model, tokenizer, args.train_problems, args.gen_len,
                                          changes=args.changes, numbered=args.numbered, signed=args.signed)
         print(f"ar warm start: greedy accuracy on 100 held-out problems {ar_accuracy:.2f}", flush=True)
-        teacher = teacher_from_ar(ar_model, tokenizer, args.block_size)
+        teacher = teacher_from_ar(ar_model, tokenizer, args.block_size, args.prompt_attention or "bidirectional")
     else:
-        teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers, max_positions)
+        teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers, max_positions,
+                              args.prompt_attention or "bidirectional")
     teacher.config.attention_mode = args.teacher_attention  # read at every forward: training and saving
     start = time.time()
     teacher_losses = train_from_scratch(

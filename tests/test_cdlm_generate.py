@@ -11,13 +11,15 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from hf_tidar import CdlmConfig, CdlmForCausalLM, TidarForCausalLM
-from hf_tidar.cdlm import bidirectional_layout, block_causal_layout
+from hf_tidar.cdlm import bidirectional_layout, block_causal_layout, dlm_layout
 from hf_tidar.masks import positions_from_padding, to_bool_mask
 
 
-def peaky_student(model_type: str = "llama", shift: bool = False, block_size: int = 4, scale: float = 25.0, seed=0):
+def peaky_student(model_type: str = "llama", shift: bool = False, block_size: int = 4, scale: float = 25.0, seed=0,
+                  prompt_attention: str = "bidirectional"):
     """A random block-causal student whose head is scaled so that many tokens pass a 0.5 threshold."""
-    teacher = CdlmForCausalLM.from_ar(tiny_ar_model(model_type, seed=seed), block_size=block_size, shift_logits=shift)
+    teacher = CdlmForCausalLM.from_ar(tiny_ar_model(model_type, seed=seed), block_size=block_size, shift_logits=shift,
+                                      prompt_attention=prompt_attention)
     student = CdlmForCausalLM.from_dlm(teacher).eval()
     with torch.no_grad():
         student.lm_head.weight.mul_(scale)
@@ -55,6 +57,58 @@ def reference_block_causal(valid: torch.Tensor, prompt_len: torch.Tensor, block:
     return out
 
 
+def reference_causal_prompt(valid: torch.Tensor, prompt_len: torch.Tensor, block: int | None) -> torch.Tensor:
+    """Slow reference with a causal prompt: prompt token ``i`` sees prompt tokens ``0..i``; a generated token sees
+    the whole prompt and, by ``block``, the generated tokens of its own and earlier blocks (all of them: ``None``)."""
+    rows, n = valid.shape
+    pos = positions_from_padding(valid)
+    out = torch.zeros(rows, 1, n, n, dtype=torch.bool)
+    for b in range(rows):
+        n_prompt = int(prompt_len[b])
+        for q in range(n):
+            for k in range(n):
+                if not valid[b, q]:
+                    out[b, 0, q, k] = q == k
+                elif valid[b, k]:
+                    pq, pk = int(pos[b, q]), int(pos[b, k])
+                    if pq < n_prompt:
+                        out[b, 0, q, k] = pk <= pq
+                    elif pk < n_prompt or block is None:
+                        out[b, 0, q, k] = True
+                    else:
+                        out[b, 0, q, k] = (pk - n_prompt) // block <= (pq - n_prompt) // block
+    return out
+
+
+@pytest.mark.parametrize("block", [3, None])
+def test_causal_prompt_layout_matches_reference(block):
+    valid = torch.tensor([[1] * 11, [0, 0, 0] + [1] * 8], dtype=torch.bool)
+    prompt_len = torch.tensor([[4], [2]])
+    got = to_bool_mask(dlm_layout(valid, prompt_len, block, causal_prompt=True))
+    assert torch.equal(got, reference_causal_prompt(valid, prompt_len, block))
+    # Without it the prompt is one block (block-causal) or sees everything (bidirectional).
+    assert not torch.equal(to_bool_mask(dlm_layout(valid, prompt_len, block)), got)
+
+
+def test_causal_prompt_keeps_the_ar_models_prompt_encoding():
+    """Converted with a causal prompt, a diffusion LM's logits over the prompt are the AR model's, whatever masks
+    follow; with a bidirectional prompt they are not (the prompt then attends to the masks)."""
+    ar = tiny_ar_model(seed=5)
+    prompt = torch.randint(1, 60, (1, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = ar(prompt).logits
+        for mode, same in (("causal", True), ("bidirectional", False)):
+            for attention in ("bidirectional", "block_causal"):
+                model = CdlmForCausalLM.from_ar(ar, block_size=4, attention_mode=attention, prompt_attention=mode)
+                masked = torch.cat([prompt, torch.full((1, 5), model.config.mask_token_id)], dim=1)
+                got = model(masked, prompt_len=torch.tensor([[6]])).logits[:, :6, : expected.shape[-1]]  # + [MASK]
+                assert torch.allclose(got, expected, atol=1e-10) == same, (mode, attention)
+    student = CdlmForCausalLM.from_dlm(CdlmForCausalLM.from_ar(ar, block_size=4, prompt_attention="causal"))
+    assert student.config.prompt_attention == "causal"  # a student attends over its prompt as its teacher
+    with pytest.raises(ValueError, match="prompt_attention must be one of"):
+        CdlmForCausalLM.from_ar(ar, block_size=4, prompt_attention="sideways")
+
+
 def test_block_causal_layout_matches_reference():
     valid = torch.tensor([[1] * 11, [0, 0, 0] + [1] * 8], dtype=torch.bool)
     prompt_len = torch.tensor([[4], [2]])
@@ -69,9 +123,10 @@ def test_block_causal_layout_matches_reference():
 # -- exactness of the block cache ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model_type,shift", [("llama", False), ("qwen3", True)])
-def test_cached_block_decoding_equals_full_recomputation(model_type, shift):
-    student = peaky_student(model_type, shift=shift)
+@pytest.mark.parametrize("model_type,shift,prompt_attention",
+                         [("llama", False, "bidirectional"), ("qwen3", True, "bidirectional"), ("qwen3", True, "causal")])
+def test_cached_block_decoding_equals_full_recomputation(model_type, shift, prompt_attention):
+    student = peaky_student(model_type, shift=shift, prompt_attention=prompt_attention)
     ids, mask = left_padded_prompts(3, 7, seed=1)
     kwargs = dict(max_new_tokens=14, threshold=0.5, return_dict_in_generate=True, output_logits=True, eos_token_id=None)
     cached = student.generate(ids, attention_mask=mask, strategy="cdlm", **kwargs)
@@ -253,6 +308,10 @@ def test_save_load_round_trip_and_from_ar_keeps_weights():
         loaded = AutoModelForCausalLM.from_pretrained(folder)
     assert isinstance(loaded, CdlmForCausalLM) and isinstance(loaded.config, CdlmConfig)
     assert loaded.config.attention_mode == "bidirectional" and loaded.config.shift_logits
+    assert loaded.config.prompt_attention == "bidirectional"
+    with tempfile.TemporaryDirectory() as folder:
+        CdlmForCausalLM.from_ar(ar, block_size=4, prompt_attention="causal").save_pretrained(folder)
+        assert AutoModelForCausalLM.from_pretrained(folder).config.prompt_attention == "causal"
     plain = CdlmForCausalLM.from_dlm(ar, mask_token_id=3, shift_logits=False, block_size=8)
     assert plain.config.attention_mode == "block_causal" and plain.config.block_size == 8
 

@@ -422,6 +422,7 @@ def test_cdlm_card_snippet_runs(tmp_path):
     card = render_card(tmp_path / "cdlm", CardInputs(repo_id="tester/tiny-cdlm"))
     check_card(card)
     assert "cdlm" in card.data.tags and "block-causal" in card.text
+    assert "| attention among prompt tokens | bidirectional |" in card.text
     printed = _run(_snippet(card).replace("tester/tiny-cdlm", str(tmp_path / "cdlm")))
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     expected = student.generate(ids, max_new_tokens=32, strategy="cdlm", threshold=0.9)

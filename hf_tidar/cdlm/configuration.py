@@ -11,6 +11,9 @@ from ..configuration import check_converted_config
 ATTENTION_MODES = ("bidirectional", "block_causal")
 """``bidirectional``: a Dream/LLaDA-style teacher. ``block_causal``: the CDLM student (exact block KV cache)."""
 
+PROMPT_ATTENTION = ("bidirectional", "causal")
+"""How prompt tokens attend among themselves: all to all (Dream, LLaDA), or causally (as the AR model did)."""
+
 
 @strict
 class CdlmConfig(PreTrainedConfig):
@@ -23,6 +26,10 @@ class CdlmConfig(PreTrainedConfig):
         block_size: the block size the model was trained with. For ``block_causal`` it fixes the mask,
             and decoding must use it; for ``bidirectional`` it is only the default decoding block.
         mask_token_id: id of the ``[MASK]`` token.
+        prompt_attention: ``"bidirectional"`` (every prompt token sees the whole prompt, as Dream and LLaDA do)
+            or ``"causal"`` (prompt token ``i`` sees prompt tokens ``0..i`` only). ``"causal"`` keeps the
+            prompt's hidden states those of the AR model a diffusion LM is converted from; generated tokens
+            see the whole prompt either way.
         shift_logits: ``True`` for Dream-style models (position ``i`` predicts token ``i + 1``, as an AR
             model does), ``False`` for LLaDA-style models (position ``i`` predicts token ``i``).
     """
@@ -35,6 +42,7 @@ class CdlmConfig(PreTrainedConfig):
     block_size: int = 32
     mask_token_id: int | None = None
     shift_logits: bool = False
+    prompt_attention: str = "bidirectional"
     tie_word_embeddings: bool = False
 
     def __post_init__(self, **kwargs):
@@ -42,3 +50,5 @@ class CdlmConfig(PreTrainedConfig):
         check_converted_config(self)
         if self.attention_mode not in ATTENTION_MODES:
             raise ValueError(f"attention_mode must be one of {ATTENTION_MODES}, got {self.attention_mode!r}.")
+        if self.prompt_attention not in PROMPT_ATTENTION:
+            raise ValueError(f"prompt_attention must be one of {PROMPT_ATTENTION}, got {self.prompt_attention!r}.")

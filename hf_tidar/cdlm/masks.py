@@ -11,6 +11,11 @@ it) encodes the attention mode:
   end, ``prompt_len + (g // B + 1) * B``. A token therefore sees every earlier block and its whole own
   block, never a later one, so a finished block's keys and values never change: its KV cache is exact.
 
+In either mode the prompt may instead be **causal** (``causal_prompt=True``; a model's
+``config.prompt_attention="causal"``): prompt token ``i`` sees prompt tokens ``0..i`` only, as in the
+autoregressive model a diffusion LM is converted from, so the conversion keeps the prompt's hidden states
+exactly the AR model's. Generated tokens see the whole prompt either way.
+
 Rendering goes through :func:`hf_tidar.masks.render_mask`, so sdpa, eager, flex attention and the
 ``tidar_triton`` kernel all evaluate the same rule.
 """
@@ -30,6 +35,7 @@ def dlm_layout(
     prompt_len: torch.Tensor | None = None,
     block_size: int | None = None,
     query_len: int | None = None,
+    causal_prompt: bool = False,
 ) -> AttentionLayout:
     """The layout of a diffusion-LM forward over key tokens ``valid`` (``[batch, kv_len]``, left padding).
 
@@ -39,17 +45,20 @@ def dlm_layout(
             ``None`` means no prompt: blocks start at the first real token.
         block_size: ``None`` for bidirectional attention, else the block size of the block-causal mask.
         query_len: how many trailing tokens are queries (default: all of them).
+        causal_prompt: prompt tokens see only the prompt tokens up to their own (needs ``prompt_len``).
     """
     valid = valid.bool()
     pos = positions_from_padding(valid)
+    n = torch.zeros_like(pos[:, :1]) if prompt_len is None else prompt_len.to(pos).view(-1, 1)
     if block_size is None:
         horizon = torch.full_like(pos, BIDIRECTIONAL_HORIZON)
     else:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}.")
-        n = torch.zeros_like(pos[:, :1]) if prompt_len is None else prompt_len.to(pos).view(-1, 1)
         block_end = n + ((pos - n).clamp_min(0) // block_size + 1) * block_size
         horizon = torch.where(pos < n, n.expand_as(pos), block_end)
+    if causal_prompt:
+        horizon = torch.where(pos < n, pos + 1, horizon)
     query_len = pos.shape[-1] if query_len is None else query_len
     return AttentionLayout(pos, torch.full_like(pos, CLEAN), horizon, valid, query_len)
 

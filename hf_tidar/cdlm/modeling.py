@@ -54,6 +54,7 @@ class CdlmForCausalLM(TidarForCausalLM):
         tokenizer=None,
         attention_mode: str = "bidirectional",
         shift_logits: bool = True,
+        prompt_attention: str = "bidirectional",
         **from_pretrained_kwargs,
     ) -> CdlmForCausalLM:
         """Start a diffusion LM from an autoregressive Llama / Qwen2 / Qwen3 causal LM (weights copied).
@@ -61,9 +62,12 @@ class CdlmForCausalLM(TidarForCausalLM):
         ``shift_logits`` defaults to ``True``: like Dream, keep the AR convention that position ``i``
         predicts token ``i + 1``, which is what the pretrained head already does. Without
         ``mask_token_id`` a ``[MASK]`` token is added (to ``tokenizer`` too) and the embeddings grow.
+        ``prompt_attention="causal"`` keeps the prompt's attention the AR model's own (see :class:`CdlmConfig`),
+        so the converted model encodes a prompt exactly as the AR model did.
         """
         source = load_causal_lm(model_or_path, **from_pretrained_kwargs)
-        fields = dict(attention_mode=attention_mode, block_size=block_size, shift_logits=shift_logits)
+        fields = dict(attention_mode=attention_mode, block_size=block_size, shift_logits=shift_logits,
+                      prompt_attention=prompt_attention)
         return cls._convert(source, source.config, mask_token_id, tokenizer, fields)
 
     @classmethod
@@ -74,6 +78,7 @@ class CdlmForCausalLM(TidarForCausalLM):
         attention_mode: str = "block_causal",
         mask_token_id: int | None = None,
         shift_logits: bool | None = None,
+        prompt_attention: str | None = None,
         **from_pretrained_kwargs,
     ) -> CdlmForCausalLM:
         """A (student) copy of a diffusion LM: a ``CdlmForCausalLM``, or a Llama/Qwen checkpoint of one.
@@ -84,6 +89,8 @@ class CdlmForCausalLM(TidarForCausalLM):
             block_size: the student's block size (default: the source's).
             attention_mode: ``block_causal`` (a CDLM student, default) or ``bidirectional``.
             mask_token_id, shift_logits: override (or, for plain checkpoints, supply) the source's.
+            prompt_attention: override the source's (default: the source's, ``"bidirectional"`` for a plain
+                checkpoint); a student should attend over the prompt as its teacher does.
 
         The weights are copied unchanged; the source is left untouched.
         """
@@ -93,6 +100,7 @@ class CdlmForCausalLM(TidarForCausalLM):
             mask_token_id = source.config.mask_token_id if mask_token_id is None else mask_token_id
             shift_logits = source.config.shift_logits if shift_logits is None else shift_logits
             block_size = source.config.block_size if block_size is None else block_size
+            prompt_attention = source.config.prompt_attention if prompt_attention is None else prompt_attention
         else:
             text_config = source.config
             if mask_token_id is None or shift_logits is None:
@@ -101,7 +109,8 @@ class CdlmForCausalLM(TidarForCausalLM):
                     "(True for Dream-style models, False for LLaDA-style ones). To start a diffusion LM from "
                     "an autoregressive model, use CdlmForCausalLM.from_ar."
                 )
-        fields = dict(attention_mode=attention_mode, block_size=block_size or 32, shift_logits=shift_logits)
+        fields = dict(attention_mode=attention_mode, block_size=block_size or 32, shift_logits=shift_logits,
+                      prompt_attention=prompt_attention or "bidirectional")
         return cls._convert(source, text_config, mask_token_id, None, fields)
 
     @classmethod
@@ -121,7 +130,8 @@ class CdlmForCausalLM(TidarForCausalLM):
         self, valid: torch.Tensor, prompt_len: torch.Tensor | None = None, query_len: int | None = None
     ) -> AttentionLayout:
         """This model's attention layout over key tokens ``valid`` (see :func:`hf_tidar.cdlm.masks.dlm_layout`)."""
-        return dlm_layout(valid, prompt_len, self.mask_block_size, query_len)
+        return dlm_layout(valid, prompt_len, self.mask_block_size, query_len,
+                          causal_prompt=self.config.prompt_attention == "causal")
 
     def predicting_hidden(self, hidden: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
         """Align hidden states with the tokens they predict: ``out[:, j]`` gives the logits of token ``j``.

@@ -160,6 +160,7 @@ def _template_values(folder: Path, kind: str, model_ref: str, base_ref: str, bas
         backbone=text.get("model_type", "?"),
         parameters=parameter_count(folder),
         attention_mode=str(config.get("attention_mode", "block_causal")).replace("_", "-"),
+        prompt_attention=config.get("prompt_attention", "bidirectional"),
         snippet=model_snippet(model_ref, kind),
     )
     return values
