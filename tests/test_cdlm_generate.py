@@ -107,6 +107,8 @@ def test_causal_prompt_keeps_the_ar_models_prompt_encoding():
     assert student.config.prompt_attention == "causal"  # a student attends over its prompt as its teacher
     with pytest.raises(ValueError, match="prompt_attention must be one of"):
         CdlmForCausalLM.from_ar(ar, block_size=4, prompt_attention="sideways")
+    with pytest.raises(ValueError, match="pass prompt_len"):  # it could not tell the prompt from the answer
+        student(prompt)
 
 
 def test_block_causal_layout_matches_reference():

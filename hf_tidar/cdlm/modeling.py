@@ -129,9 +129,17 @@ class CdlmForCausalLM(TidarForCausalLM):
     def attention_layout(
         self, valid: torch.Tensor, prompt_len: torch.Tensor | None = None, query_len: int | None = None
     ) -> AttentionLayout:
-        """This model's attention layout over key tokens ``valid`` (see :func:`hf_tidar.cdlm.masks.dlm_layout`)."""
-        return dlm_layout(valid, prompt_len, self.mask_block_size, query_len,
-                          causal_prompt=self.config.prompt_attention == "causal")
+        """This model's attention layout over key tokens ``valid`` (see :func:`hf_tidar.cdlm.masks.dlm_layout`).
+
+        Raises:
+            ValueError: a model with a causal prompt called without ``prompt_len`` (it cannot tell the prompt's
+                tokens from the answer's, and treating them all as the answer's would be silently wrong).
+        """
+        causal_prompt = self.config.prompt_attention == "causal"
+        if causal_prompt and prompt_len is None:
+            raise ValueError('This model attends causally over its prompt (prompt_attention="causal"): pass '
+                             "prompt_len=[batch, 1] prompt lengths (zeros for inputs without a prompt).")
+        return dlm_layout(valid, prompt_len, self.mask_block_size, query_len, causal_prompt=causal_prompt)
 
     def predicting_hidden(self, hidden: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
         """Align hidden states with the tokens they predict: ``out[:, j]`` gives the logits of token ``j``.
