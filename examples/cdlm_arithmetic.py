@@ -37,6 +37,7 @@ from hf_tidar.cdlm.arithmetic import (
     split,
     task_tokenizer,
 )
+from hf_tidar.cdlm.configuration import PROMPT_ATTENTION
 from hf_tidar.cdlm.training import CdlmCollator, CdlmTrainer, lora_student
 from hf_tidar.cdlm.trajectories import collect_trajectories
 from hf_tidar.prompt_encoding import left_pad
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--teacher-attention", choices=("bidirectional", "block_causal"), default="bidirectional",
                         help="the mask the teacher trains (and is saved) under; block_causal: the student's mask, "
                              "to measure what the teacher keeps when later blocks are out of view")
-    parser.add_argument("--prompt-attention", choices=("bidirectional", "causal"), default=None,
+    parser.add_argument("--prompt-attention", choices=PROMPT_ATTENTION, default=None,
                         help="how the teacher's (and so the student's) prompt tokens attend among themselves "
                              "(default bidirectional, or --teacher-from's own); causal keeps the AR warm start's "
                              "encoding of the prompt through the conversion")

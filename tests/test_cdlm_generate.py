@@ -40,26 +40,11 @@ def left_padded_prompts(rows: int, length: int, seed: int) -> tuple[torch.Tensor
 # -- layouts ------------------------------------------------------------------------------------
 
 
-def reference_block_causal(valid: torch.Tensor, prompt_len: torch.Tensor, block: int) -> torch.Tensor:
-    """Slow reference, written from the definition: prompt = one block, then blocks of ``block``."""
-    rows, n = valid.shape
-    pos = positions_from_padding(valid)
-    out = torch.zeros(rows, 1, n, n, dtype=torch.bool)
-    for b in range(rows):
-        n_prompt = int(prompt_len[b])
-        blocks = [-1 if int(p) < n_prompt else (int(p) - n_prompt) // block for p in pos[b]]
-        for q in range(n):
-            for k in range(n):
-                if valid[b, q] and valid[b, k]:
-                    out[b, 0, q, k] = blocks[k] <= blocks[q]
-                elif not valid[b, q]:
-                    out[b, 0, q, k] = q == k
-    return out
-
-
-def reference_causal_prompt(valid: torch.Tensor, prompt_len: torch.Tensor, block: int | None) -> torch.Tensor:
-    """Slow reference with a causal prompt: prompt token ``i`` sees prompt tokens ``0..i``; a generated token sees
-    the whole prompt and, by ``block``, the generated tokens of its own and earlier blocks (all of them: ``None``)."""
+def reference_layout(valid: torch.Tensor, prompt_len: torch.Tensor, block: int | None,
+                     causal_prompt: bool = False) -> torch.Tensor:
+    """Slow reference, written from the definitions: a generated token sees the whole prompt and the generated tokens
+    of its own and earlier blocks of ``block`` (all of them: ``None``); a prompt token sees the whole prompt (one
+    block), or with ``causal_prompt`` prompt tokens ``0..i`` only."""
     rows, n = valid.shape
     pos = positions_from_padding(valid)
     out = torch.zeros(rows, 1, n, n, dtype=torch.bool)
@@ -72,7 +57,7 @@ def reference_causal_prompt(valid: torch.Tensor, prompt_len: torch.Tensor, block
                 elif valid[b, k]:
                     pq, pk = int(pos[b, q]), int(pos[b, k])
                     if pq < n_prompt:
-                        out[b, 0, q, k] = pk <= pq
+                        out[b, 0, q, k] = pk <= pq if causal_prompt else pk < n_prompt
                     elif pk < n_prompt or block is None:
                         out[b, 0, q, k] = True
                     else:
@@ -85,7 +70,7 @@ def test_causal_prompt_layout_matches_reference(block):
     valid = torch.tensor([[1] * 11, [0, 0, 0] + [1] * 8], dtype=torch.bool)
     prompt_len = torch.tensor([[4], [2]])
     got = to_bool_mask(dlm_layout(valid, prompt_len, block, causal_prompt=True))
-    assert torch.equal(got, reference_causal_prompt(valid, prompt_len, block))
+    assert torch.equal(got, reference_layout(valid, prompt_len, block, causal_prompt=True))
     # Without it the prompt is one block (block-causal) or sees everything (bidirectional).
     assert not torch.equal(to_bool_mask(dlm_layout(valid, prompt_len, block)), got)
 
@@ -115,7 +100,7 @@ def test_block_causal_layout_matches_reference():
     valid = torch.tensor([[1] * 11, [0, 0, 0] + [1] * 8], dtype=torch.bool)
     prompt_len = torch.tensor([[4], [2]])
     got = to_bool_mask(block_causal_layout(valid, prompt_len, block_size=3))
-    assert torch.equal(got, reference_block_causal(valid, prompt_len, 3))
+    assert torch.equal(got, reference_layout(valid, prompt_len, 3))
     bidir = to_bool_mask(bidirectional_layout(valid))
     pair = valid[:, None, :, None] & valid[:, None, None, :]
     assert torch.equal(bidir & pair, pair) and torch.equal(bidir | ~pair, bidir | ~pair)
