@@ -38,7 +38,7 @@ from hf_tidar.cdlm.arithmetic import (
     task_tokenizer,
 )
 from hf_tidar.cdlm.configuration import PROMPT_ATTENTION
-from hf_tidar.cdlm.training import CdlmCollator, CdlmTrainer, lora_student
+from hf_tidar.cdlm.training import DEFAULT_LOSS_WEIGHTS, CdlmCollator, CdlmTrainer, lora_student
 from hf_tidar.cdlm.trajectories import collect_trajectories
 from hf_tidar.prompt_encoding import left_pad
 
@@ -181,8 +181,10 @@ def train_from_scratch(
     """Train with ``loss_fn`` (AdamW, warm-up then cosine); returns the logged mean losses.
 
     With ``minutes``, the schedule runs on whichever of steps or wall time is further along, so training
-    ends (annealed) within the time budget on a busy machine too.
+    ends (annealed) within the time budget on a busy machine too. ``steps=0`` trains nothing.
     """
+    if steps == 0:
+        return []
     prompts, targets = encode(tokenizer, problems, gen_len)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
@@ -228,7 +230,7 @@ def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problem
 
 
 def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_size: int, lr: float, rank: int,
-           start_from=None):
+           start_from=None, loss_weights=DEFAULT_LOSS_WEIGHTS):
     """Distil the block-causal student with ``CdlmTrainer``; returns the merged student and the log.
 
     The student starts from the teacher's weights, or from ``start_from`` (a diffusion LM of the same shape,
@@ -251,7 +253,7 @@ def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_si
     )
     collator = CdlmCollator(tokenizer.mask_token_id, teacher.config.block_size, tokenizer.pad_token_id)
     trainer = CdlmTrainer(model=student, args=args, train_dataset=trajectories, data_collator=collator,
-                          teacher_head=copy.deepcopy(teacher.get_output_embeddings()))
+                          teacher_head=copy.deepcopy(teacher.get_output_embeddings()), loss_weights=loss_weights)
     trainer.train()
     merged = student.merge_and_unload()
     return merged, trainer.state.log_history
@@ -280,7 +282,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="start the warm start from an earlier run's saved AR model (its --out/ar)")
     parser.add_argument("--teacher-from", type=Path, default=None,
                         help="continue an earlier run's diffusion teacher (its --out/teacher); no AR warm start")
-    parser.add_argument("--teacher-steps", type=int, default=100000)
+    parser.add_argument("--teacher-steps", type=int, default=100000,
+                        help="0: no diffusion training (with --teacher-from: distil that teacher as it is)")
     parser.add_argument("--teacher-minutes", type=float, default=12, help="wall-time budget of teacher training")
     parser.add_argument("--teacher-batch", type=int, default=64)
     parser.add_argument("--teacher-lr", type=float, default=3e-3)
@@ -302,6 +305,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--student-batch", type=int, default=32)
     parser.add_argument("--student-lr", type=float, default=1e-3)
     parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--loss-weights", type=float, nargs=3, default=DEFAULT_LOSS_WEIGHTS,
+                        metavar=("DISTILLATION", "CONSISTENCY", "DLM"),
+                        help="CdlmTrainer's loss weights (default %(default)s); the DLM loss is on the ground truth")
     parser.add_argument("--threads", type=int, default=1, help="1 avoids OpenMP stalls on a busy CPU")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -372,6 +378,7 @@ def main(argv: list[str] | None = None) -> dict:
     student, log = distil(
         teacher, tokenizer, trajectories, args.out, args.student_steps, args.student_batch, args.student_lr,
         args.lora_rank, None if args.student_from is None else CdlmForCausalLM.from_pretrained(args.student_from),
+        tuple(args.loss_weights),
     )
     student.generation_config = teacher.generation_config
     student.save_pretrained(args.out / "student")

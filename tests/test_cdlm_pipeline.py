@@ -299,3 +299,20 @@ def test_the_teacher_can_train_under_the_students_block_causal_mask(tmp_path):
     other = CdlmForCausalLM.from_pretrained(tmp_path / "student-from" / "teacher")
     assert torch.equal(student.lm_head.weight, teacher.lm_head.weight)
     assert not torch.equal(student.lm_head.weight, other.lm_head.weight)
+
+
+def test_example_distils_a_saved_teacher_as_it_is_with_the_chosen_loss_weights(run, tmp_path):
+    example = load_script("examples/cdlm_arithmetic.py")
+    summary = example.main([
+        "--out", str(tmp_path), "--train-problems", "200", "--trajectory-prompts", "4", "--hidden", "32",
+        "--layers", "1", "--teacher-from", str(run / "teacher"), "--teacher-steps", "0", "--student-steps", "2",
+        "--student-batch", "4", "--lora-rank", "4", "--loss-weights", "0", "0", "1",
+    ])
+    assert summary["teacher_losses"] == [] and summary["args"]["loss_weights"] == "[0.0, 0.0, 1.0]"
+    saved, reused = (CdlmForCausalLM.from_pretrained(path) for path in (run / "teacher", tmp_path / "teacher"))
+    for name, weight in saved.state_dict().items():  # --teacher-steps 0: not one step of training
+        assert torch.equal(reused.state_dict()[name], weight), name
+    logged = [entry for entry in summary["student_log"] if "dlm_loss" in entry]
+    assert logged and all(entry["distillation_loss"] > 0 for entry in logged)  # computed, weighted 0
+    for entry in logged:  # weights (0, 0, 1): the loss trained on is the DLM loss alone
+        assert entry["loss"] == pytest.approx(entry["dlm_loss"], rel=1e-3, abs=1e-4)
