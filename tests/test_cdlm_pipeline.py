@@ -316,3 +316,38 @@ def test_example_distils_a_saved_teacher_as_it_is_with_the_chosen_loss_weights(r
     assert logged and all(entry["distillation_loss"] > 0 for entry in logged)  # computed, weighted 0
     for entry in logged:  # weights (0, 0, 1): the loss trained on is the DLM loss alone
         assert entry["loss"] == pytest.approx(entry["dlm_loss"], rel=1e-3, abs=1e-4)
+
+
+def test_accuracy_benchmark_scores_each_problem_and_compares_rows_pair_by_pair(run, tmp_path):
+    script = load_script("benchmarks/cdlm_accuracy.py")
+    bench = load_script("benchmarks/cdlm_arithmetic.py")
+    out = tmp_path / "accuracy.json"
+    results = script.main([f"{run}:teacher:threshold", f"{run}:student:cdlm", f"{run}:teacher:threshold",
+                           "--problems", "4", "--json", str(out)])
+    assert json.loads(out.read_text())["results"] == results
+    teacher, student = results[f"{run}:teacher:threshold"], results[f"{run}:student:cdlm"]
+    assert len(teacher["right"]) == len(student["passes"]) == 4
+    # The same answers as the timed benchmark's accuracy on the same problems and decoders.
+    from transformers import AutoTokenizer
+
+    from hf_tidar.cdlm.arithmetic import split_for_run
+
+    run_args = json.loads((run / "pipeline.json").read_text())["args"]
+    _, test = split_for_run(run_args, 4)
+    tokenizer = AutoTokenizer.from_pretrained(run / "teacher")
+    model = CdlmForCausalLM.from_pretrained(run / "student").eval()
+    timed = bench.evaluate(model, tokenizer, test, int(run_args["gen_len"]), strategy="cdlm", threshold=0.9)
+    assert timed["accuracy"] == sum(student["right"]) / 4
+    assert timed["forward_passes_per_problem"] == sum(student["passes"]) / 4
+
+
+def test_accuracy_benchmark_paired_test_and_bad_arguments(run):
+    script = load_script("benchmarks/cdlm_accuracy.py")
+    assert script.mcnemar([True, False, True], [True, False, True]) == (0, 0, 1.0)
+    # 8 problems only the first got right, none the other way: p = 2 / 2**8.
+    assert script.mcnemar([True] * 8 + [False], [False] * 9) == (8, 0, pytest.approx(2 / 256))
+    assert script.mcnemar([True, False], [False, True])[2] == 1.0
+    with pytest.raises(SystemExit):
+        script.main([f"{run}:teacher:fast"])  # not a decoder
+    with pytest.raises(SystemExit):
+        script.main([f"{run}:nothing:cdlm"])  # no such model folder
