@@ -310,6 +310,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="CdlmTrainer's loss weights (default %(default)s); the DLM loss is on the ground truth")
     parser.add_argument("--threads", type=int, default=1, help="1 avoids OpenMP stalls on a busy CPU")
     args = parser.parse_args(argv)
+    if min(args.ar_steps, args.teacher_steps) < 0:
+        parser.error("--ar-steps and --teacher-steps must be 0 or more.")
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     args.out.mkdir(parents=True, exist_ok=True)

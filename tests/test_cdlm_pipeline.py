@@ -316,6 +316,8 @@ def test_example_distils_a_saved_teacher_as_it_is_with_the_chosen_loss_weights(r
     assert logged and all(entry["distillation_loss"] > 0 for entry in logged)  # computed, weighted 0
     for entry in logged:  # weights (0, 0, 1): the loss trained on is the DLM loss alone
         assert entry["loss"] == pytest.approx(entry["dlm_loss"], rel=1e-3, abs=1e-4)
+    with pytest.raises(SystemExit):  # a negative budget would never end the schedule
+        example.main(["--out", str(tmp_path / "bad"), "--teacher-from", str(run / "teacher"), "--teacher-steps", "-1"])
 
 
 def test_accuracy_benchmark_scores_each_problem_and_compares_rows_pair_by_pair(run, tmp_path):
