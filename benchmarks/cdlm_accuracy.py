@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 
@@ -29,6 +30,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tidar  # noqa: F401  (registers the cdlm model type)
 from hf_tidar.cdlm.arithmetic import extract_answer, split_for_run
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cdlm_arithmetic import evaluate  # noqa: E402  (the timed benchmark's decoding loop)
 
 DECODERS = {
     "vanilla": {"strategy": "dlm", "threshold": None},
@@ -51,7 +55,8 @@ def parse_decoder(spec: str) -> tuple[Path, str, str]:
 
 def answers_right(run: Path, model_name: str, decoder: str, problems: int, threshold: float,
                   train: bool = False) -> dict:
-    """Decode the run's first ``problems`` held-out (or, ``train``, training) problems one at a time.
+    """Decode the run's first ``problems`` held-out (or, ``train``, training) problems one at a time, with the
+    timed benchmark's loop.
 
     Returns ``right`` (per problem) and ``passes`` (forward passes per problem).
     """
@@ -60,17 +65,12 @@ def answers_right(run: Path, model_name: str, decoder: str, problems: int, thres
     chosen = train_set[:problems] if train else test
     tokenizer = AutoTokenizer.from_pretrained(run / "teacher")
     model = AutoModelForCausalLM.from_pretrained(run / model_name).eval()
-    kwargs = {"threshold": threshold, **DECODERS[decoder]}
-    right, passes = [], []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the dual cache warns that it is approximate: that is what is measured
-        for problem in chosen:
-            ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")
-            out = model.generate(**ids, max_new_tokens=int(args["gen_len"]), return_dict_in_generate=True, **kwargs)
-            text = tokenizer.decode(out.sequences[0, ids["input_ids"].shape[1] :], skip_special_tokens=True)
-            right.append(extract_answer(text) == problem.answer)
-            passes.append(int(out.forward_passes[0]))
-    return {"right": right, "passes": passes}
+        kwargs = {"threshold": threshold, **DECODERS[decoder]}  # vanilla's own threshold (None) wins
+        decoded = evaluate(model, tokenizer, chosen, int(args["gen_len"]), **kwargs)
+    right = [extract_answer(text) == problem.answer for text, problem in zip(decoded["texts"], chosen, strict=True)]
+    return {"right": right, "passes": decoded["passes"]}
 
 
 def mcnemar(first: list[bool], other: list[bool]) -> tuple[int, int, float]:

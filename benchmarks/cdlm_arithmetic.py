@@ -33,7 +33,8 @@ from hf_tidar.cdlm.arithmetic import split_for_run
 
 def evaluate(model, tokenizer, problems, gen_len: int, batch_size: int = 1, **generate_kwargs) -> dict:
     """Decode the problems in batches of ``batch_size`` (left-padded); accuracy, mean passes per problem,
-    tokens per pass, tokens/s (every row's tokens up to and including EOS over the wall time of ``generate``).
+    tokens per pass, tokens/s (every row's tokens up to and including EOS over the wall time of ``generate``),
+    and per problem its decoded text (up to EOS) and passes.
 
     Accuracy and tokens per pass come from the package's ``evaluate`` modules (loaded by path, offline).
     """
@@ -60,6 +61,8 @@ def evaluate(model, tokenizer, problems, gen_len: int, batch_size: int = 1, **ge
         "tokens_per_second": sum(tokens) / seconds,
         "seconds": seconds,
         "example": texts[0],
+        "texts": texts,
+        "passes": passes,
     }
 
 
