@@ -6,12 +6,14 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_builds import library_of
 from toy import tiny_ar_model, train_counting_tidar
 
 from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.cpu import linear as measured
 from hf_tidar.cpu.kernel import (
     few_row_bf16_tail_kernel,
+    kernel_isa,
     packed_bf16_tail_kernel,
     packed_pair_kernel,
     packed_row_kernel,
@@ -296,3 +298,46 @@ def test_prefills_take_the_packed_product_up_to_its_row_limit(monkeypatch):
     assert calls == [100, 1, 100]
     cpu.enable(model, packed=False)
     assert model.model.layers[0].mlp.down_proj.exact_rows == measured.MAX_ROWS
+
+
+@pytest.mark.parametrize("isa", ["amx_bf16", "avx512_bf16"])
+@pytest.mark.parametrize("in_features", [32, 64, 576, 48])  # multiples of 32 take AMX's tiles; 48 does not
+@pytest.mark.parametrize("rank", [0, 8])
+def test_each_bfloat16_build_gives_the_linear_and_a_rows_bits_whatever_the_row_count(isa, in_features, rank):
+    """The AMX build multiplies K = 32 at a time on the tile unit, up to 12 rows a tile and 4 column blocks: its
+    sums must still be the linear's, a row's bits the same at every row count (a one-row AR step against a
+    many-row pass), and a LoRA tail only on the tail rows."""
+    library = library_of(isa)
+    generator = torch.Generator().manual_seed(in_features + rank)
+    weight = torch.randn(200, in_features, generator=generator).bfloat16()  # 13 column blocks: 3 tiles of 4, one of 1
+    bias = torch.randn(200, generator=generator).bfloat16()
+    x = torch.randn(30, in_features, generator=generator).bfloat16()
+    packed = library.pack_column_pairs(weight)
+    factors = (None, None)
+    if rank:
+        lora_a = torch.randn(rank, in_features, generator=generator).bfloat16()
+        lora_b = (0.1 * torch.randn(200, rank, generator=generator)).bfloat16()
+        factors = (library.pack_column_pairs(lora_a), library.pack_columns(lora_b))
+    for rows in (1, 4, 12, 13, 30):
+        tail = rows // 2
+        got = library.packed_pair_linear(x[:rows], packed, 200, bias, *factors, tail)
+        expected = _reference(x[:rows], weight, bias, *((lora_a, lora_b) if rank else (None, None)), tail)
+        _assert_bfloat16_rounding_of(got, expected)
+        for row in (0, tail, rows - 1):  # alone, as a one-row step: the same bits (a tail row with its update)
+            alone = library.packed_pair_linear(x[row:row + 1].contiguous(), packed, 200, bias, *factors,
+                                               0 if row >= tail else 1)
+            assert torch.equal(alone, got[row:row + 1]), (rows, row)
+
+
+def test_the_amx_build_is_this_cpus_bfloat16_product_where_it_runs():
+    """On a CPU with AMX the widest build, the one the CPU path packs bfloat16 weights for, is the tile unit's; its
+    products differ from vdpbf16ps's by summation order only (the same values within float32 rounding)."""
+    amx = library_of("amx_bf16")
+    assert kernel_isa() == "amx_bf16" and packed_pair_kernel()[1] is amx.packed_pair_linear
+    other = library_of("avx512_bf16")
+    generator = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 576, generator=generator).bfloat16(), torch.randn(5, 576, generator=generator).bfloat16()
+    packed = amx.pack_column_pairs(weight)
+    on_tiles = amx.packed_pair_linear(x, packed, 64, None, None, None, 5)
+    with_vdpbf16ps = other.packed_pair_linear(x, packed, 64, None, None, None, 5)
+    torch.testing.assert_close(on_tiles.float(), with_vdpbf16ps.float(), rtol=2**-7, atol=1e-2)

@@ -35,14 +35,24 @@ HEADERS = (Path(__file__).with_name("vector_math.h"),)
 
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     # name: (the CPU flags it needs, as /proc/cpuinfo spells them; the compiler flags that build it)
+    "amx_bf16": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "amx_tile", "amx_bf16"}),
+                 ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile",
+                  "-mamx-bf16")),
     "avx512_bf16": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16"}),
                     ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
     "avx512": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
                ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl")),
     "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
 }
-"""The kernel's builds, widest first: AVX-512 with BF16 also multiplies bfloat16 (vdpbf16ps); the others
-float32 only."""
+"""The kernel's builds, widest first: AVX-512 with BF16 also multiplies bfloat16 (vdpbf16ps), and with AMX
+(Intel from Sapphire Rapids on) multiplies bfloat16 weights on the tile unit, where a pass of a few rows costs
+little more than one row; the others float32 only."""
+
+BF16_ISAS = ("amx_bf16", "avx512_bf16")
+"""The builds that multiply bfloat16."""
+
+AVX512_ISAS = ("amx_bf16", "avx512_bf16", "avx512")
+"""The AVX-512 builds (the column-packed products)."""
 
 REQUIRED_FLAGS = ISA_FLAGS["avx2"][0]
 """What the narrowest build needs."""
@@ -96,7 +106,7 @@ def kernel_dtypes(isa: str | None = None) -> tuple[torch.dtype, ...]:
     isa = isa or kernel_isa()
     if isa is None:
         return ()
-    return (torch.float32, torch.bfloat16) if isa == "avx512_bf16" else (torch.float32,)
+    return (torch.float32, torch.bfloat16) if isa in BF16_ISAS else (torch.float32,)
 
 
 def _cflags(isa: str) -> tuple[str, ...]:
@@ -152,7 +162,7 @@ def few_row_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
     and ``lora_b``. Rows before ``tail_start`` have the bits of the float32 kernel; rows from it on are
     products of bfloat16-rounded inputs and weights summed in float32 (the last ``K mod 32`` terms in float32).
     """
-    return _operator("few_row_linear_bf16_tail", only_on=("avx512_bf16",))
+    return _operator("few_row_linear_bf16_tail", only_on=BF16_ISAS)
 
 
 def kernel_takes_half_factors() -> bool:
@@ -175,7 +185,7 @@ def packed_row_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torc
     same bits whatever ``M`` (not the same bits as :func:`few_row_kernel`'s).
     """
     isa = kernel_isa()
-    if _unavailable_reason(isa) is not None or isa not in ("avx512", "avx512_bf16"):
+    if _unavailable_reason(isa) is not None or isa not in AVX512_ISAS:
         return None
     library = built_library(isa)
     return None if library is None else (library.pack_columns, library.packed_row_linear)
@@ -188,20 +198,21 @@ def packed_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
     Signature as that multiply's. Rows before ``tail_start`` have its bits; rows from it on are products of
     bfloat16-rounded inputs and weights summed in float32, plus their LoRA update in float32.
     """
-    return _operator("packed_row_linear_bf16_tail", only_on=("avx512_bf16",))
+    return _operator("packed_row_linear_bf16_tail", only_on=BF16_ISAS)
 
 
 def packed_pair_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
                                   Callable[..., torch.Tensor]] | None:
     """The bfloat16 few-row matmul on weights packed by columns as pairs (``packed_rows.cpp``), as
-    ``(pack, multiply, pack_columns)``; ``None`` unless the AVX-512 BF16 build runs here.
+    ``(pack, multiply, pack_columns)``; ``None`` unless an AVX-512 BF16 build runs here.
 
     ``pack(w [N, K] bfloat16) -> [ceil(N / 16), ceil(K / 2), 16, 2]``; ``multiply(x [M, K], packed, N, bias | None,
     lora_a_packed | None, lora_b_packed | None, tail_start) -> [M, N]``, every tensor bfloat16, ``lora_a`` packed by
     ``pack`` and ``lora_b`` by ``pack_columns``; rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. Sums
-    in float32 (``vdpbf16ps``), one rounding to bfloat16 at the end: a row's result has the same bits whatever ``M``.
+    in float32 (``vdpbf16ps``; on the ``amx_bf16`` build, where ``K`` is a multiple of 32, the tile unit's
+    ``tdpbf16ps``), one rounding to bfloat16 at the end: a row's result has the same bits whatever ``M``.
     """
-    pack = _operator("pack_column_pairs", only_on=("avx512_bf16",))
+    pack = _operator("pack_column_pairs", only_on=BF16_ISAS)
     if pack is None:
         return None
     library = built_library(kernel_isa())
@@ -215,14 +226,14 @@ def gated_linear_kernel() -> Callable[..., torch.Tensor] | None:
     bfloat16 weights); with LoRA, ``lora_a`` ``[2R, K]`` (gate's factor rows, then up's) packed as the weights and
     ``lora_b`` ``[2N, R]`` (their rows interleaved as the weights') packed as the product packs ``lora_b``, each output
     block updated by its own factor; ``None`` unless an AVX-512 build runs here."""
-    return _operator("packed_gated_linear", only_on=("avx512", "avx512_bf16"))
+    return _operator("packed_gated_linear", only_on=AVX512_ISAS)
 
 
 def gated_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
     """:func:`gated_linear_kernel`'s operator for float32 weights whose tail rows (TiDAR's ``[MASK]`` rows, drafts only)
     are multiplied in bfloat16, as :func:`packed_bf16_tail_kernel` multiplies them; ``None`` unless the AVX-512 BF16
     build runs here. Signature as that operator's; rows before ``tail_start`` have its float32 bits."""
-    return _operator("packed_gated_linear_bf16_tail", only_on=("avx512_bf16",))
+    return _operator("packed_gated_linear_bf16_tail", only_on=BF16_ISAS)
 
 
 def top_exact_kernel() -> Callable[..., torch.Tensor] | None:
@@ -231,7 +242,7 @@ def top_exact_kernel() -> Callable[..., torch.Tensor] | None:
     with every output that could be its row's largest, and the ``watched`` ids, recomputed exactly (the packed float32
     product's bits); ``norms`` are the weight rows' L2 norms, rounded up. ``None`` unless the AVX-512 BF16 build runs
     here."""
-    return _operator("top_exact_linear", only_on=("avx512_bf16",))
+    return _operator("top_exact_linear", only_on=BF16_ISAS)
 
 
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:

@@ -36,7 +36,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -197,8 +199,13 @@ struct Product {
   float* y;  // [M, N]
   int64_t odd_codes = 0;  // a gated product's: where the odd blocks' codes start after z (see finish_tile)
 
+  static constexpr int kTileRows = kMaxTileRows;  // the most rows a tile takes
+
   template <int MR>
   static constexpr int columns() { return columns_for<MR>(); }
+
+  template <int MR>
+  void start_rows() const {}  // what a row tile of MR rows needs first (nothing here; the AMX product's tiles)
 
   // Rows m..m+MR-1 against column blocks blk..blk+NV-1 (rows from `first` on with their codes).
   template <int MR, int NV>
@@ -216,6 +223,7 @@ void row_tile(const P& p, int64_t m, int64_t first_block, int64_t last_block) {
   constexpr int NV = P::template columns<MR>();
   const int first = p.z ? int(std::clamp<int64_t>(p.tail - m, 0, MR)) : MR;
   const float* codes = p.z && first < MR ? p.z + (m + first - p.tail) * p.R : nullptr;
+  p.template start_rows<MR>();
   for (int64_t blk = first_block; blk < last_block;) {
     if (last_block - blk >= NV) {
       p.template tile<MR, NV>(m, blk, codes, first);
@@ -228,13 +236,19 @@ void row_tile(const P& p, int64_t m, int64_t first_block, int64_t last_block) {
 }
 
 // Calls f(m, std::integral_constant<int, height>) for row tiles [m, m + height) of near-equal height, at most
-// kMaxTileRows, covering rows [from, to): a tile's height must be a constant for its accumulators to stay in registers.
-template <class F>
+// kMax (12, or 16 for the tile unit's products), covering rows [from, to): a tile's height must be a constant for
+// its accumulators to stay in registers.
+template <int kMax = kMaxTileRows, class F>
 void near_equal_tiles(int64_t from, int64_t to, F&& f) {
-  const int64_t rows = to - from, tiles = (rows + kMaxTileRows - 1) / kMaxTileRows;
+  static_assert(kMax == 12 || kMax == 16);
+  const int64_t rows = to - from, tiles = (rows + kMax - 1) / kMax;
   for (int64_t t = 0, m = from; t < tiles; ++t) {
     const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
     switch (height) {
+      case 16: if constexpr (kMax >= 16) f(m, std::integral_constant<int, 16>{}); break;
+      case 15: if constexpr (kMax >= 15) f(m, std::integral_constant<int, 15>{}); break;
+      case 14: if constexpr (kMax >= 14) f(m, std::integral_constant<int, 14>{}); break;
+      case 13: if constexpr (kMax >= 13) f(m, std::integral_constant<int, 13>{}); break;
       case 12: f(m, std::integral_constant<int, 12>{}); break;
       case 11: f(m, std::integral_constant<int, 11>{}); break;
       case 10: f(m, std::integral_constant<int, 10>{}); break;
@@ -262,14 +276,15 @@ inline int64_t chunk_blocks(int64_t K) { return K <= 1024 ? 12 : 6; }
 // All rows of `p` against column blocks [b0, b1).
 template <class P>
 void rows_times_blocks(const P& p, int64_t b0, int64_t b1) {
-  if (p.M <= kMaxTileRows) {
-    near_equal_tiles(0, p.M, [&](int64_t m, auto height) { row_tile<decltype(height)::value>(p, m, b0, b1); });
+  constexpr int kMax = P::kTileRows;
+  if (p.M <= kMax) {
+    near_equal_tiles<kMax>(0, p.M, [&](int64_t m, auto height) { row_tile<decltype(height)::value>(p, m, b0, b1); });
     return;
   }
   const int64_t chunk = chunk_blocks(p.K);
   for (int64_t c0 = b0; c0 < b1; c0 += chunk) {
     const int64_t c1 = std::min<int64_t>(b1, c0 + chunk);
-    near_equal_tiles(0, p.M, [&](int64_t m, auto height) { row_tile<decltype(height)::value>(p, m, c0, c1); });
+    near_equal_tiles<kMax>(0, p.M, [&](int64_t m, auto height) { row_tile<decltype(height)::value>(p, m, c0, c1); });
   }
 }
 
@@ -644,8 +659,13 @@ struct PairProduct {
   Y* y;  // [M, N]
   int64_t odd_codes = 0;  // a gated product's: where the odd blocks' codes start after z (see finish_tile)
 
+  static constexpr int kTileRows = kMaxTileRows;
+
   template <int MR>
   static constexpr int columns() { return pair_columns_for<MR>(); }
+
+  template <int MR>
+  void start_rows() const {}
 
   template <int MR, int NV>
   void tile(int64_t m, int64_t blk, const float* codes, int first) const {
@@ -655,6 +675,142 @@ struct PairProduct {
                       codes && odd_codes ? codes + odd_codes : nullptr, int(blk & 1));
   }
 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HF_TIDAR_AMX 1
+// The same product on AMX's tile unit (the amx_bf16 build, for Intel CPUs from Sapphire Rapids on), where K is a
+// multiple of 32. vdpbf16ps does 32 multiply-adds an instruction, so a 12-row pass costs about 12 times a row's
+// arithmetic and on 2 cores a SmolLM2 pass grows by about 1 ms a row; one tdpbf16ps multiplies up to 16 rows by a
+// 32 x 16 weight tile, and a pass of a few rows costs little more than a one-row step. pack_column_pairs' layout is
+// already the tile unit's: 16 pair steps of a column block ([16][16][2], 1 KB, contiguous) are one weight tile.
+// Each output sums its 32-term tiles in order of k with the tile unit's own rounding, whatever the number of rows
+// in its tile, so a row's bits still do not depend on M (they are not vdpbf16ps's bits: every bfloat16 product of
+// a process takes one path, chosen by K and the CPU).
+
+// Linux gives a process the tile registers only on request (once a process; a refusal leaves AMX off).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return permitted;
+}
+
+constexpr int kAmxColumns = 4;     // tiles 0-3: a row tile's sums for up to 4 column blocks; 4: its rows; 5, 6: weights
+constexpr int64_t kAmxPairs = 16;  // pair steps in one weight tile (32 terms of k)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// The tile shapes of an MR-row tile. Configured at every row tile, not once a thread: other libraries in the
+// process (oneDNN) configure the same registers for their own products.
+template <int MR>
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t <= 4; ++t) config.rows[t] = MR;
+  config.rows[5] = config.rows[6] = kAmxPairs;
+  for (int t = 0; t <= 6; ++t) config.bytes_per_row[t] = 64;
+  _tile_loadconfig(&config);
+}
+
+// Sums for column block V of the tile += rows (tile 4) x the block's weight tile at w; two weight tiles in turn,
+// so that one block's load overlaps the previous block's product. (GCC's tile intrinsics spell the register
+// numbers into the assembly: they must be literals.)
+template <int V>
+inline void amx_block(const uint32_t* w) {
+  if constexpr (V == 0) {
+    _tile_loadd(5, w, 64);
+    _tile_dpbf16ps(0, 4, 5);
+  } else if constexpr (V == 1) {
+    _tile_loadd(6, w, 64);
+    _tile_dpbf16ps(1, 4, 6);
+  } else if constexpr (V == 2) {
+    _tile_loadd(5, w, 64);
+    _tile_dpbf16ps(2, 4, 5);
+  } else {
+    _tile_loadd(6, w, 64);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+}
+
+// pair_tile on the tile unit (steps a multiple of 16): the sums leave the tiles through memory into finish_tile.
+// No software prefetch: the weight tiles are contiguous 1 KB steps that the hardware prefetchers follow, and
+// prefetching the next 1-4 tiles' lines made SmolLM2's products 1-8% slower at 1-12 rows (a scratch timing).
+template <int MR, int NV, class B, class Y>
+inline void amx_pair_tile(const uint32_t* x, int64_t steps, const uint32_t* w, int64_t block, const float* z,
+                          int64_t R, const B* b, int first, const float* bias, Y* y, int64_t ldy, int64_t valid,
+                          const float* z_odd = nullptr, int parity = 0) {
+  static_assert(NV >= 1 && NV <= kAmxColumns);
+  _tile_zero(0);
+  if constexpr (NV > 1) _tile_zero(1);
+  if constexpr (NV > 2) _tile_zero(2);
+  if constexpr (NV > 3) _tile_zero(3);
+  for (int64_t s = 0; s < steps; s += kAmxPairs) {
+    _tile_loadd(4, x + s, steps * sizeof(uint32_t));
+    const uint32_t* ws = w + s * kLanes;
+    amx_block<0>(ws);
+    if constexpr (NV > 1) amx_block<1>(ws + block);
+    if constexpr (NV > 2) amx_block<2>(ws + 2 * block);
+    if constexpr (NV > 3) amx_block<3>(ws + 3 * block);
+  }
+  alignas(64) float sums[NV][MR][kLanes];
+  _tile_stored(0, sums[0], 64);
+  if constexpr (NV > 1) _tile_stored(1, sums[1], 64);
+  if constexpr (NV > 2) _tile_stored(2, sums[2], 64);
+  if constexpr (NV > 3) _tile_stored(3, sums[3], 64);
+  __m512 acc[MR][NV];
+  for (int i = 0; i < MR; ++i)
+    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_load_ps(sums[v][i]);
+  finish_tile<MR, NV>(acc, z, R, b, first, bias, y, ldy, valid, z_odd, parity);
+}
+
+template <class B, class Y>
+struct AmxPairProduct : PairProduct<B, Y> {
+  // A tile product costs about the same at 1 and at 16 rows: up to 16 rows take one tile, not two.
+  static constexpr int kTileRows = 16;
+
+  template <int MR>
+  static constexpr int columns() { return kAmxColumns; }
+
+  template <int MR>
+  void start_rows() const { configure_tiles<MR>(); }
+
+  template <int MR, int NV>
+  void tile(int64_t m, int64_t blk, const float* codes, int first) const {
+    const int64_t n = blk * kLanes;
+    const auto& p = static_cast<const PairProduct<B, Y>&>(*this);
+    amx_pair_tile<MR, NV>(p.x + m * p.steps, p.steps, p.w + blk * p.steps * kLanes, p.steps * kLanes, codes, p.R,
+                          codes ? p.b + blk * p.R * kLanes : nullptr, first, p.bias ? p.bias + n : nullptr,
+                          p.y + m * p.N + n, p.N, p.N - n, codes && p.odd_codes ? codes + p.odd_codes : nullptr,
+                          int(blk & 1));
+  }
+};
+
+// Whether a pair product of `steps` pair steps runs on the tile unit here.
+bool on_tiles(int64_t steps) { return steps % kAmxPairs == 0 && amx_permitted(); }
+#endif
+
+// A pair product over column blocks [b0, b1) (rows_times_blocks), or over all `blocks` shared among threads
+// (run_product), on the tile unit where on_tiles says so.
+template <class B, class Y>
+void pair_rows_times_blocks(const PairProduct<B, Y>& p, int64_t b0, int64_t b1) {
+#ifdef HF_TIDAR_AMX
+  if (on_tiles(p.steps)) return rows_times_blocks(AmxPairProduct<B, Y>{p}, b0, b1);
+#endif
+  rows_times_blocks(p, b0, b1);
+}
+
+template <class B, class Y>
+void run_pair_product(const PairProduct<B, Y>& p, int64_t blocks) {
+#ifdef HF_TIDAR_AMX
+  if (on_tiles(p.steps)) return run_product(AmxPairProduct<B, Y>{p}, blocks);
+#endif
+  run_product(p, blocks);
+}
 
 void check_pairs(const at::Tensor& t, const char* name, int64_t blocks, int64_t steps) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.dim() == 4 &&
@@ -706,14 +862,14 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
     const int64_t codes = gated ? 2 * R : R;
     check_pairs(*lora_a, "lora_a", (codes + kLanes - 1) / kLanes, steps);
     z.resize((M - tail) * codes);  // the codes: a product of its own, too small to share among threads
-    rows_times_blocks(PairProduct<float, float>{pairs + tail * steps, M - tail, K, steps,
+    pair_rows_times_blocks(PairProduct<float, float>{pairs + tail * steps, M - tail, K, steps,
                                                 reinterpret_cast<const uint32_t*>(lora_a->data_ptr<c10::BFloat16>()),
                                                 codes, nullptr, nullptr, nullptr, 0, M - tail, z.data()},
                       0, (codes + kLanes - 1) / kLanes);
     if (gated) odd_codes = split_codes(z, M - tail, R);
     b = lora_b->data_ptr<c10::BFloat16>();
   }
-  run_product(PairProduct<c10::BFloat16, c10::BFloat16>{
+  run_pair_product(PairProduct<c10::BFloat16, c10::BFloat16>{
                   pairs, M, K, steps, reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>()), N,
                   bias_data, z.empty() ? nullptr : z.data(), b, R, tail, y.data_ptr<c10::BFloat16>(), odd_codes},
               blocks);
@@ -817,10 +973,13 @@ inline uint16_t as_stored(float value, uint16_t*) {
 // out[m, n] = silu(gate) * up for the product `both` [M, 2N] whose 16-column blocks alternate gate (even) and up (odd),
 // float32 or bfloat16 bits: transformers' act_fn(gate_proj(x)) * up_proj(x) with its roundings (silu rounded to the
 // dtype, then the product); silu is hf_tidar_cpu::silu (within a few ulp of torch's), the same for every element.
+// Shared among threads by rows and blocks: at a many-row pass's 20 rows the silus cost a tenth of the product's time.
 template <class T>
 void gated_rows(const T* both, int64_t M, int64_t N, T* out) {
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t blk = 0; blk < N / kLanes; ++blk) {
+  const int64_t blocks = N / kLanes;
+  at::parallel_for(0, M * blocks, 64, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t m = i / blocks, blk = i % blocks;
       const T* gate = both + m * 2 * N + 2 * blk * kLanes;
       T* dst = out + m * N + blk * kLanes;
 #pragma omp simd
@@ -829,6 +988,7 @@ void gated_rows(const T* both, int64_t M, int64_t N, T* out) {
         dst[l] = as_stored(value_of(silu) * value_of(gate[kLanes + l]), dst);
       }
     }
+  });
 }
 
 // silu(x @ gateᵀ) * (x @ upᵀ) [M, N] for a gated MLP whose gate_proj and up_proj weights ([N, K] each, N a multiple
