@@ -334,6 +334,7 @@ def test_the_amx_build_is_this_cpus_bfloat16_product_where_it_runs():
     products differ from vdpbf16ps's by summation order only (the same values within float32 rounding)."""
     amx = library_of("amx_bf16")
     assert kernel_isa() == "amx_bf16" and packed_pair_kernel()[1] is amx.packed_pair_linear
+    assert amx.tile_unit_ready()  # Linux gave this process the tile registers: the products below use them
     other = library_of("avx512_bf16")
     generator = torch.Generator().manual_seed(0)
     weight, x = torch.randn(64, 576, generator=generator).bfloat16(), torch.randn(5, 576, generator=generator).bfloat16()

@@ -1069,6 +1069,10 @@ HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
         "int tail_start) -> Tensor",
         &packed_pair_linear);
 #endif
+#ifdef HF_TIDAR_AMX
+  // Whether this process got the tile registers (else every pair product stays on vdpbf16ps).
+  m.def("tile_unit_ready() -> bool", [] { return amx_permitted(); });
+#endif
 }
 
 #endif  // __AVX512F__
