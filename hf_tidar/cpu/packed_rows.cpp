@@ -794,22 +794,13 @@ struct AmxPairProduct : PairProduct<B, Y> {
 bool on_tiles(int64_t steps) { return steps % kAmxPairs == 0 && amx_permitted(); }
 #endif
 
-// A pair product over column blocks [b0, b1) (rows_times_blocks), or over all `blocks` shared among threads
-// (run_product), on the tile unit where on_tiles says so.
-template <class B, class Y>
-void pair_rows_times_blocks(const PairProduct<B, Y>& p, int64_t b0, int64_t b1) {
+// Calls f with the pair product `p`, as it is or on the tile unit where on_tiles says so.
+template <class B, class Y, class F>
+void with_pair_product(const PairProduct<B, Y>& p, F&& f) {
 #ifdef HF_TIDAR_AMX
-  if (on_tiles(p.steps)) return rows_times_blocks(AmxPairProduct<B, Y>{p}, b0, b1);
+  if (on_tiles(p.steps)) return f(AmxPairProduct<B, Y>{p});
 #endif
-  rows_times_blocks(p, b0, b1);
-}
-
-template <class B, class Y>
-void run_pair_product(const PairProduct<B, Y>& p, int64_t blocks) {
-#ifdef HF_TIDAR_AMX
-  if (on_tiles(p.steps)) return run_product(AmxPairProduct<B, Y>{p}, blocks);
-#endif
-  run_product(p, blocks);
+  f(p);
 }
 
 void check_pairs(const at::Tensor& t, const char* name, int64_t blocks, int64_t steps) {
@@ -862,17 +853,17 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
     const int64_t codes = gated ? 2 * R : R;
     check_pairs(*lora_a, "lora_a", (codes + kLanes - 1) / kLanes, steps);
     z.resize((M - tail) * codes);  // the codes: a product of its own, too small to share among threads
-    pair_rows_times_blocks(PairProduct<float, float>{pairs + tail * steps, M - tail, K, steps,
+    with_pair_product(PairProduct<float, float>{pairs + tail * steps, M - tail, K, steps,
                                                 reinterpret_cast<const uint32_t*>(lora_a->data_ptr<c10::BFloat16>()),
                                                 codes, nullptr, nullptr, nullptr, 0, M - tail, z.data()},
-                      0, (codes + kLanes - 1) / kLanes);
+                      [&](const auto& q) { rows_times_blocks(q, 0, (codes + kLanes - 1) / kLanes); });
     if (gated) odd_codes = split_codes(z, M - tail, R);
     b = lora_b->data_ptr<c10::BFloat16>();
   }
-  run_pair_product(PairProduct<c10::BFloat16, c10::BFloat16>{
+  with_pair_product(PairProduct<c10::BFloat16, c10::BFloat16>{
                   pairs, M, K, steps, reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>()), N,
                   bias_data, z.empty() ? nullptr : z.data(), b, R, tail, y.data_ptr<c10::BFloat16>(), odd_codes},
-              blocks);
+              [&](const auto& q) { run_product(q, blocks); });
   return y;
 }
 
