@@ -99,6 +99,21 @@ def test_draft_rows_in_bfloat16_are_the_bf16_tail_products_and_clean_rows_keep_t
         assert torch.equal(drafts(x[row : row + 1].contiguous(), packed, n, *lora, 0), got[row : row + 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_over_its_whole_range(dtype):
+    # Identity weights make the gate and up outputs the inputs themselves: silu(x) * x for x across the polynomial's
+    # range, the underflow below -87, zeros of both signs and large values; each element alike in a 16-lane block.
+    pack, multiply, _ = _products(dtype)
+    eye = torch.eye(32, dtype=dtype)
+    packed = pack(interleave_blocks(eye, eye).contiguous())
+    x = torch.cat([torch.linspace(-100, 100, 30 * 32 - 4), torch.tensor([0.0, -0.0, 3e4, -3e4])]).view(30, 32)
+    x = x.to(dtype)
+    got = kernel(x, packed, 32, None, None, 30)
+    want = F.silu(x.float()).to(dtype).float() * x.float() if dtype == torch.bfloat16 else F.silu(x) * x
+    torch.testing.assert_close(got.float(), want.to(dtype).float(), **_tolerance(dtype))
+    assert torch.equal(got[-1, [-4, -3, -1]].float(), torch.zeros(3))  # silu(0) * 0, and e^-30000 underflowed
+
+
 def test_the_operator_refuses_an_output_count_off_the_blocks():
     pack, _, _ = _products(torch.float32)
     with pytest.raises(RuntimeError, match="multiple of 16"):

@@ -239,11 +239,15 @@ inline const float* as_floats(const float* rows, int64_t /*stride*/, int64_t /*n
 }
 inline const float* as_floats(const c10::BFloat16* rows, int64_t stride, int64_t n, int64_t dim,
                               std::vector<float>& scratch, int64_t& row_stride) {
-  scratch.resize(n * dim);
+  // Rows start on 64-byte lines, as torch's own float32 tensors do: a 16-float load that straddles two lines costs
+  // two (unaligned, SmolLM2's bfloat16 calls ran 10-25% slower than float32's).
+  scratch.resize(n * dim + 16);
+  const uintptr_t address = reinterpret_cast<uintptr_t>(scratch.data());
+  float* out = scratch.data() + ((64 - address % 64) % 64) / sizeof(float);
   for (int64_t i = 0; i < n; ++i)
-    for (int64_t d = 0; d < dim; ++d) scratch[i * dim + d] = widen(rows[i * stride + d]);
+    for (int64_t d = 0; d < dim; ++d) out[i * dim + d] = widen(rows[i * stride + d]);
   row_stride = dim;
-  return scratch.data();
+  return out;
 }
 
 // w[0, n) = softmax(w[0, n)): the max (exact in any order), e^(w - max), their sum in 16 lanes over the keys
