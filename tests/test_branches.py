@@ -6,6 +6,8 @@ from toy import tiny_ar_model
 
 from hf_tidar import TidarForCausalLM
 from hf_tidar.cache import DraftCache
+from hf_tidar.generation import branch_decoder
+from hf_tidar.generation.auto_plan import AutoDraftPlan
 from hf_tidar.generation.branch_decoder import distinct_branches
 from hf_tidar.generation.draft_plan import BranchPlan
 from hf_tidar.generation.drafters import Drafts
@@ -152,13 +154,53 @@ def test_lookup_branches_in_a_batch_stay_exact(looping_model):
 @pytest.mark.parametrize("options,message", [
     (dict(do_sample=True), "greedily"),
     (dict(verifier_weight=0.5), "exact verifier"),
-    (dict(draft_layout="auto"), "draft_length instead of draft_layout"),
+    (dict(draft_layout="auto", draft_length=2), "pass neither"),
     (dict(draft_groups=[1, 2]), "pre-drafts group 1 only"),
 ])
 def test_what_branches_cannot_do_is_refused(looping_model, options, message):
     with pytest.raises(ValueError, match=message):
         looping_model.generate(torch.tensor([[3, 9, 4]]), strategy="tidar", draft_source="both", max_new_tokens=3,
                                **options)
+
+
+def _query_lengths(model, monkeypatch) -> list[int]:
+    """Record the query length of every pass after the prefill."""
+    lengths, forward = [], type(model).structured_hidden_states
+
+    def spy(self, input_ids, *args, **kwargs):
+        lengths.append(input_ids.shape[1])
+        return forward(self, input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(type(model), "structured_hidden_states", spy)
+    return lengths
+
+
+def test_auto_prices_the_branches_rows_as_measured(looping_model, monkeypatch):
+    """Under draft_layout="auto" a pass may hold as many rows as the profile timed (here up to 1 + 8 lookup drafts
+    + 3 diffusion drafts + 4 masks), and lookup drafts stay while they pay for their rows at the measured row cost:
+    where rows are free, passes go past the fixed cap; where each costs half a step, they stay shorter. The output
+    is AR's either way."""
+    decoders, run = [], branch_decoder.BranchingDecoder.run
+    monkeypatch.setattr(branch_decoder.BranchingDecoder, "run", lambda self, ids: (decoders.append(self), run(self, ids)))
+    lengths = _query_lengths(looping_model, monkeypatch)
+    prompt = torch.tensor([[2, 14, 9, 17, 2, 14, 9, 17, 2, 14, 9, 17, 7, 5, 6, 7, 5]])  # it goes on 9, 17, 2, 14, ...
+    settings = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ar = looping_model.generate(prompt, **settings)
+    longest = {}
+    for row_cost in (0.0, 0.5):  # per row beyond the first, in one-row steps: free, dear
+        costs = {q: 1.0 + row_cost * (q - 1) for q in range(1, 21)}  # a profile, as AutoDraftPlan measures one
+        monkeypatch.setattr(AutoDraftPlan, "for_model", classmethod(lambda cls, model, batch_size=1, costs=costs: cls(costs, 4)))
+        lengths.clear()
+        with torch.no_grad():
+            out = looping_model.generate(prompt, strategy="tidar", draft_layout="auto", draft_source="both",
+                                         lookup_length=8, **settings)
+        assert torch.equal(out, ar)
+        decoder = decoders[-1]
+        assert decoder.group_len == 4 and decoder.max_rows == 20
+        assert decoder.row_cost == pytest.approx(AutoDraftPlan(costs, 4).verification_row_cost())
+        longest[row_cost] = max(lengths[1:])  # after the prefill
+    assert longest[0.0] > branch_decoder.MAX_PASS_ROWS > longest[0.5]
 
 
 def test_position_dependent_processors_fall_back_to_one_source_with_a_warning(looping_model):

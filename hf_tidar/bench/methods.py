@@ -121,7 +121,7 @@ def _tidar_methods(config: BenchConfig, models: Models) -> list[Method]:
                 methods.append(Method(f"tidar-k{k}-g1{suffix}", "tidar", "main",
                                       {"strategy": "tidar", "draft_length": k, "draft_groups": [1], **extra},
                                       draft_length=k, layout="group-1"))
-        if config.auto_layout and extra["draft_source"] != "both":  # "both" has its own layout
+        if config.auto_layout:  # "both": its rows priced as measured
             methods.append(Method(f"tidar-auto{suffix}", "tidar", "main",
                                   {"strategy": "tidar", "draft_layout": "auto", **extra}, layout="auto"))
     if models.main_bf16_drafts is not None:  # the same rows on the copy whose [MASK] rows are bfloat16

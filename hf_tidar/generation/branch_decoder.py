@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..masks import DecodeMaskBuffer, StepMaskTemplate
-from .draft_plan import BranchPlan
+from .draft_plan import BranchPlan, DraftPlan
 from .drafters import Drafts, truncated
 from .tidar_decoder import Choices, Row, TidarDecoder
 
@@ -33,7 +33,8 @@ to a pass on column-packed weights (benchmarks/branch_pass_cost.py: 3 rows 1.08x
 k = 2 with every source on the 22 held-out prompts (benchmarks/results/smollm2-pass-rows-cap-zen4/, 3 interleaved
 rounds) ran at 47.8 / 48.5 / 49.7 / 49.9 tokens/s with a cap of 6 / 8 / 10 / 12 rows (1.72 / 1.78 / 1.80 / 1.80 tokens
 per pass): past 10 no pass on those prompts was cut. The earlier cap of 8 was set where the dot-product kernel's cost
-jumped (a third row tile of 4 from 9 rows)."""
+jumped (a third row tile of 4 from 9 rows). Under ``draft_layout="auto"`` the cap is the longest pass the cost profile
+timed, and the rows are priced as that profile measured them (:meth:`BranchingDecoder.price_rows_as_measured`)."""
 
 
 def within_rows(branches: list[Drafts], drafts: int) -> list[Drafts]:
@@ -64,9 +65,23 @@ class BranchingDecoder(TidarDecoder):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self.max_rows = MAX_PASS_ROWS
+        if self.auto is not None:
+            self.price_rows_as_measured()
         self.group_len = self.layout.draft_len  # one pre-draft group of k masks: k - 1 diffusion drafts
         self.templates: dict[BranchPlan, StepMaskTemplate] = {}
         self.projected: dict[BranchPlan, torch.Tensor] = {}
+
+    def price_rows_as_measured(self) -> None:
+        """``draft_layout="auto"``: the pass's rows priced from the model's measured cost profile, not from
+        :data:`MAX_PASS_ROWS` and :data:`.drafters.ROW_COST` (set where a row cost 6-7% of a step, on a CPU whose
+        multi-row products were dear; on one whose tile unit multiplies 16 bfloat16 rows at the price of one, a row
+        costs about 2%). Lookup branches keep the drafts that pay for their rows at the measured row cost (the
+        decoder's ``row_cost``), a pass may hold as many rows as the profile timed, and the pre-draft group has
+        the block size's masks: its later slots draft on after longer acceptances. The layout then stays fixed."""
+        self.layout = DraftPlan.build(self.auto.block_size, [1], self.auto.block_size)
+        self.max_rows = max(self.auto.costs)
+        self.auto = None
 
     def next_block(self, row: Row, first: int, slot_logits: torch.Tensor | None,
                    slot_tokens: list[int] | None = None) -> list[Drafts]:
@@ -77,7 +92,7 @@ class BranchingDecoder(TidarDecoder):
             branches.append(Drafts([first, *slot_tokens], None))
         elif slot_tokens is None and slot_logits is not None and slot_logits.shape[0]:
             branches.append(self.diffusion.propose(row.index, row.sequence, first, slot_logits))
-        return within_rows(distinct_branches(branches), MAX_PASS_ROWS - 1 - self.group_len)
+        return within_rows(distinct_branches(branches), self.max_rows - 1 - self.group_len)
 
     def step(self, active: list[int], blocks: list[list[Drafts]], state: DecodeMaskBuffer) -> list[list[Drafts] | None]:
         """One forward pass for the active rows; returns their next branches (``None`` for finished rows)."""

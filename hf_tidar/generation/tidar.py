@@ -46,7 +46,8 @@ def tidar_decode(
         draft_length: drafts per pass ``k`` (default and maximum: the trained block size).
         draft_groups: which pre-draft groups to compute (default: all ``1..k``; must contain 1).
         draft_layout: ``"auto"`` picks ``(k, groups)`` from this hardware's measured forward cost and the
-            running acceptance statistics (see :mod:`.auto_plan`).
+            running acceptance statistics (see :mod:`.auto_plan`); with ``draft_source="both"`` it prices the
+            branches' rows from that measured cost instead of a fixed guess (one group of the block size's masks).
         verifier_weight: ``beta`` of the mixed verifier in ``[0, 1]``; 1 (default) is exact AR verification.
             Below 1, position ``p + i`` is verified against ``beta * AR + (1 - beta) * diffusion``, the
             diffusion term being group ``i``'s first slot of the same pass (so every group must be computed).
@@ -55,7 +56,8 @@ def tidar_decode(
             elsewhere), ``"best"`` per pass the source with the higher running mean of accepted drafts —
             under ``draft_layout="auto"`` (where it is the default) of tokens per second, from the measured
             pass costs; ``"both"`` (greedy only) every source's proposal in the same pass, as sibling branches
-            after the verified token, with one pre-draft group of ``draft_length`` masks. Every source is
+            after the verified token, with one pre-draft group of ``draft_length`` masks (under
+            ``draft_layout="auto"``: the block size's, the rows priced as measured). Every source is
             verified the same way, so the output does not depend on it; only the speed does.
         lookup_length: the most prompt-lookup drafts one pass verifies (default 4). A pass whose drafts all
             come from lookup computes no mask group (it verifies only, at the cost of a prompt-lookup pass);
@@ -116,9 +118,6 @@ def check_branching(draft_source: str, draft_groups, draft_layout, verifier_weig
     if verifier_weight != 1.0:
         raise ValueError("draft_source='both' needs the exact verifier (verifier_weight=1.0); the mixed verifier "
                          "needs every pre-draft group. Use draft_source='diffusion' with verifier_weight < 1.")
-    if draft_layout is not None:
-        raise ValueError("draft_source='both' has its own layout (every proposal as a branch, one pre-draft group "
-                         "of draft_length masks); pass draft_length instead of draft_layout.")
     if draft_groups is not None and list(draft_groups) != [1]:
         raise ValueError(f"draft_source='both' pre-drafts group 1 only; omit draft_groups or pass [1], got "
                          f"{draft_groups!r}.")
