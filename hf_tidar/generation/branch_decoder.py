@@ -81,7 +81,7 @@ class BranchingDecoder(TidarDecoder):
         the block size's masks: its later slots draft on after longer acceptances. The layout then stays fixed."""
         self.layout = DraftPlan.build(self.auto.block_size, [1], self.auto.block_size)
         self.max_rows = max(self.auto.costs)
-        self.auto = None
+        self.auto = self.chooser.pass_cost = None  # nothing is re-chosen: every source is verified in every pass
 
     def next_block(self, row: Row, first: int, slot_logits: torch.Tensor | None,
                    slot_tokens: list[int] | None = None) -> list[Drafts]:
