@@ -945,41 +945,35 @@ at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int
 }
 #endif  // bfloat16
 
-// silu(x) = x / (1 + e^-|x|) (times e^-|x| above for x < 0) on 16 lanes, e^-|x| by exp_nonpositive's polynomial
-// (hf_tidar_cpu, vector_math.h) with its steps as explicit AVX-512 operations. Left to the compiler, the scalar
-// function's 16-lane loop ran on two 8-lane halves and cost 1.4 ns an element (a 12-row pass's silus: a fifth of the
-// gated product's time). Every element takes the same operations, whatever the row count.
+// silu(x) = x / (1 + e^-|x|) (times e^-|x| above for x < 0) on 16 lanes, e^-|x| by exp_nonpositive's steps and
+// constants (vector_math.h) as explicit AVX-512 operations. Left to the compiler, a scalar silu's 16-lane loop ran on
+// two 8-lane halves and cost 1.4 ns an element (a 12-row pass's silus: a fifth of the gated product's time). Every
+// element takes the same operations, whatever the row count.
 inline __m512 silu16(__m512 x) {
+  using namespace hf_tidar_cpu;
   const __m512 t = _mm512_castsi512_ps(  // -|x| (the sign bit set; integer arithmetic: no AVX-512 DQ needed)
       _mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int32_t(0x80000000u))));
-  const __m512 clamped = _mm512_max_ps(t, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(1.44269504088896341f)),
+  const __m512 lowest = _mm512_set1_ps(kExpLowest);
+  const __m512 clamped = _mm512_max_ps(t, lowest);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2E)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), clamped);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPolynomial[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPolynomial[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   const __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
-  const __mmask16 underflow = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(t, lowest, _CMP_LT_OQ);
   const __m512 e = _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_castsi512_ps(scaled));
   const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);  // x, or x * e where x < 0
   return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
 }
 
-// 16 bfloat16 bits as float32 lanes (exact), and 16 float32 lanes stored (bfloat16 bits: rounded to nearest even, NaN to
-// 0x7FC0, as torch's conversion, in integer arithmetic that every AVX-512 build has).
-inline __m512 load_lanes(const uint16_t* p) {
-  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-}
-inline void store_lanes(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
-inline __m512 rounded_lanes(__m512 v) {  // v rounded to bfloat16 and widened back, or the NaN's stored value
+// 16 float32 lanes rounded to bfloat16 as torch's conversion rounds (nearest even, NaN to 0x7FC0, subnormals kept:
+// vcvtneps2bf16, which store_lanes uses for the products, flushes them) and widened back, in integer arithmetic that
+// every AVX-512 build has; stored as bfloat16 by store_torch_rounded.
+inline __m512 rounded_lanes(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i up = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd);
@@ -987,12 +981,13 @@ inline __m512 rounded_lanes(__m512 v) {  // v rounded to bfloat16 and widened ba
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_mov_ps(_mm512_castsi512_ps(top), nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
-inline void store_lanes(__m512 v, uint16_t* p) {
+inline void store_torch_rounded(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
+inline void store_torch_rounded(__m512 v, c10::BFloat16* p) {
   const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded_lanes(v)), 16));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
 }
 inline __m512 as_dtype(__m512 v, const float*) { return v; }
-inline __m512 as_dtype(__m512 v, const uint16_t*) { return rounded_lanes(v); }
+inline __m512 as_dtype(__m512 v, const c10::BFloat16*) { return rounded_lanes(v); }
 
 // out[m, n] = silu(gate) * up for the product `both` [M, 2N] whose 16-column blocks alternate gate (even) and up (odd),
 // float32 or bfloat16 bits: transformers' act_fn(gate_proj(x)) * up_proj(x) with its roundings (silu rounded to the
@@ -1006,7 +1001,7 @@ void gated_rows(const T* both, int64_t M, int64_t N, T* out) {
       const int64_t m = i / blocks, blk = i % blocks;
       const T* gate = both + m * 2 * N + 2 * blk * kLanes;
       const __m512 silu = as_dtype(silu16(load_lanes(gate)), gate);
-      store_lanes(_mm512_mul_ps(silu, load_lanes(gate + kLanes)), out + m * N + blk * kLanes);
+      store_torch_rounded(_mm512_mul_ps(silu, load_lanes(gate + kLanes)), out + m * N + blk * kLanes);
     }
   });
 }
@@ -1044,8 +1039,7 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N
   if (x.scalar_type() == at::kFloat)
     gated_rows(both.data_ptr<float>(), both.size(0), N, out.data_ptr<float>());
   else
-    gated_rows(reinterpret_cast<const uint16_t*>(both.data_ptr<c10::BFloat16>()), both.size(0), N,
-               reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()));
+    gated_rows(both.data_ptr<c10::BFloat16>(), both.size(0), N, out.data_ptr<c10::BFloat16>());
   return out;
 }
 

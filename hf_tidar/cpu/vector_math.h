@@ -9,31 +9,28 @@
 
 namespace hf_tidar_cpu {
 
+// exp_nonpositive's constants, shared with the 16-lane silu of packed_rows.cpp (the same steps as AVX-512 operations).
+constexpr float kExpLowest = -87.0f;  // below it e^x underflows: 0
+constexpr float kLog2E = 1.44269504088896341f;
+constexpr float kLn2High = 0.693145751953125f, kLn2Low = 1.428606765330187e-06f;  // ln 2 in two parts
+constexpr float kExpPolynomial[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                     4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 // e^x for x <= 0 (a softmax's shifted scores, a sigmoid's e^-|x|), float32, about 2 ulp: the exponent's integer part
 // goes into the float's exponent bits, the rest through a degree-6 polynomial; below -87 it returns 0.
 inline float exp_nonpositive(float x) {
-  const float clamped = x < -87.0f ? -87.0f : x;
-  const float n = std::nearbyint(clamped * 1.44269504088896341f);
-  const float r = (clamped - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float clamped = x < kExpLowest ? kExpLowest : x;
+  const float n = std::nearbyint(clamped * kLog2E);
+  const float r = (clamped - n * kLn2High) - n * kLn2Low;
+  float p = kExpPolynomial[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPolynomial[i];
   p = p * r * r + r + 1.0f;
   int32_t bits;
   std::memcpy(&bits, &p, sizeof(bits));
   bits += static_cast<int32_t>(n) << 23;
   float out;
   std::memcpy(&out, &bits, sizeof(out));
-  return x < -87.0f ? 0.0f : out;
-}
-
-// silu(x) = x / (1 + e^-x), with e^-|x| only (no overflow): x / (1 + e) for x >= 0, x * e / (1 + e) below.
-inline float silu(float x) {
-  const float e = exp_nonpositive(x < 0.0f ? x : -x);
-  return x >= 0.0f ? x / (1.0f + e) : x * e / (1.0f + e);
+  return x < kExpLowest ? 0.0f : out;
 }
 
 }  // namespace hf_tidar_cpu
