@@ -877,8 +877,11 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
 // product is computed in bfloat16 from a pair-packed copy of the weight (half the bytes of the float32 sweep),
 // and then, for every output that could still be a row's largest, again exactly. The bfloat16 value of output v
 // of row x differs from the float32 dot product by at most eps_v = c * |x|_2 * |w_v|_2 (norms: |w_v|_2 rounded
-// up, given): x and w rounded to nearest bfloat16 change each product by at most 2^-7 + 2^-16 of its magnitude,
-// vdpbf16ps's float32 sums add at most K * 2^-24 of the sum of magnitudes, and that sum is at most
+// up, given): x and w rounded to nearest bfloat16 change each product by at most 2^-7 + 2^-16 of its magnitude
+// (the products themselves are exact in float32), the K float32 additions add at most K * 2^-24 of the sum of
+// magnitudes each rounded to nearest, as vdpbf16ps and the tile unit's tdpbf16ps are specified to round, in any
+// order; the bound takes twice that (2^-23 a step: an addition rounded toward zero), so it holds whichever of the
+// two computes the product and however the tile unit orders its sums. The sum of magnitudes is at most
 // |x|_2 * |w_v|_2 (Cauchy-Schwarz). An output whose upper bound y_v + eps_v lies below the largest lower bound
 // y_u - eps_u of the row cannot be its largest; every other one (the candidates, usually 1-10 of SmolLM2's
 // 49152) is recomputed as packed_row_linear computes it (one fused multiply-add per k, in order of k, from
@@ -892,7 +895,7 @@ void certify_top(const float* x, int64_t K, const float* weight, const float* no
   double squares = 0;
   for (int64_t k = 0; k < K; ++k) squares += double(x[k]) * x[k];
   // 1.001: room for the roundings of this bound's own float arithmetic.
-  const float scale = float(1.001 * (kBf16ProductError + 1.05 * K / 16777216.0) * std::sqrt(squares));
+  const float scale = float(1.001 * (kBf16ProductError + 2.1 * K / 16777216.0) * std::sqrt(squares));
   const float flushed = std::ldexp(float(K), -120);  // vdpbf16ps flushes subnormal products and sums to zero
   // The watched outputs leave the lower bound (set to -inf, they are no candidate) and are recomputed after.
   constexpr float kNone = -std::numeric_limits<float>::infinity();
@@ -929,10 +932,13 @@ at::Tensor top_exact_linear(const at::Tensor& x, const at::Tensor& pairs, const 
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const std::vector<uint32_t> rounded = bfloat16_pairs(x.data_ptr<float>(), M, K);
-  run_product(PairProduct<float, float>{rounded.data(), M, K, steps,
-                                        reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>()), N, nullptr,
-                                        nullptr, nullptr, 0, M, y.data_ptr<float>()},
-              blocks);
+  // On the tile unit where it multiplies K, at every row count (a row's values then do not depend on the others):
+  // SmolLM2's head, cold, on a 2-core Xeon with AMX (benchmarks/packed_variants.py --head), at 1 / 4 / 9 / 12 rows
+  // 2.26 / 2.54 / 3.87 / 4.75 ms with vdpbf16ps, 2.26 / 2.44 / 2.88 / 2.99 on the tiles. The top is exact either way.
+  with_pair_product(PairProduct<float, float>{rounded.data(), M, K, steps,
+                                              reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>()), N,
+                                              nullptr, nullptr, nullptr, 0, M, y.data_ptr<float>()},
+                    [&](const auto& q) { run_product(q, blocks); });
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       certify_top(x.data_ptr<float>() + m * K, K, weight.data_ptr<float>(), norms.data_ptr<float>(), N, ids,
@@ -951,26 +957,12 @@ at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int
 }
 #endif  // bfloat16
 
-// silu(x) = x / (1 + e^-|x|) (times e^-|x| above for x < 0) on 16 lanes, e^-|x| by exp_nonpositive's steps and
-// constants (vector_math.h) as explicit AVX-512 operations. Left to the compiler, a scalar silu's 16-lane loop ran on
-// two 8-lane halves and cost 1.4 ns an element (a 12-row pass's silus: a fifth of the gated product's time). Every
-// element takes the same operations, whatever the row count.
+// silu(x) = x / (1 + e^-|x|) (times e^-|x| above for x < 0) on 16 lanes, e^-|x| by exp16_nonpositive (vector_math.h):
+// every element takes the same operations, whatever the row count.
 inline __m512 silu16(__m512 x) {
-  using namespace hf_tidar_cpu;
   const __m512 t = _mm512_castsi512_ps(  // -|x| (the sign bit set; integer arithmetic: no AVX-512 DQ needed)
       _mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int32_t(0x80000000u))));
-  const __m512 lowest = _mm512_set1_ps(kExpLowest);
-  const __m512 clamped = _mm512_max_ps(t, lowest);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2E)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), clamped);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
-  __m512 p = _mm512_set1_ps(kExpPolynomial[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPolynomial[i]));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
-  const __mmask16 underflow = _mm512_cmp_ps_mask(t, lowest, _CMP_LT_OQ);
-  const __m512 e = _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_castsi512_ps(scaled));
+  const __m512 e = hf_tidar_cpu::exp16_nonpositive(t);
   const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
   const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);  // x, or x * e where x < 0
   return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));

@@ -20,6 +20,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -132,9 +133,20 @@ inline Floats16 sum16_each(const Floats16 (&v)[16]) {
          __builtin_shufflevector(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
 }
 
-// out[i] = q · (key seen[i]) * scale for i < n, V = dim / 16 known at compile time: 16 keys at a time, their
-// 16-lane partial sums in registers, reduced together (sum16_each). Every score, the last few keys' too (the
-// batch padded with the last key), takes the same instructions, so a score's bits depend only on q and its key.
+// The scores of 16 keys (rows[j], a key per lane) against q (V = dim / 16 vectors, qv), their 16-lane partial sums in
+// registers, reduced together (sum16_each). Every score takes the same instructions, so its bits depend only on q
+// and its key.
+template <int V, class T>
+inline Floats16 score_chunk(const Floats16 (&qv)[V], const T* const (&rows)[16], float scale) {
+  Floats16 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = qv[0] * load16(rows[j]);
+  for (int c = 1; c < V; ++c)
+    for (int j = 0; j < 16; ++j) acc[j] = fma16(qv[c], load16(rows[j] + 16 * c), acc[j]);
+  return sum16_each(acc) * scale;
+}
+
+// out[i] = q · (key seen[i]) * scale for i < n, 16 keys at a time (score_chunk; the last few keys' batch padded with
+// the last key).
 template <int V, class T>
 void scores_fixed(const float* q, const T* keys, int64_t stride, const int64_t* seen, int64_t n, float scale,
                   float* out) {
@@ -143,12 +155,26 @@ void scores_fixed(const float* q, const T* keys, int64_t stride, const int64_t* 
   for (int64_t i = 0; i < n; i += 16) {
     const T* rows[16];
     for (int j = 0; j < 16; ++j) rows[j] = keys + seen[i + j < n ? i + j : n - 1] * stride;
-    Floats16 acc[16];
-    for (int j = 0; j < 16; ++j) acc[j] = qv[0] * load16(rows[j]);
-    for (int c = 1; c < V; ++c)
-      for (int j = 0; j < 16; ++j) acc[j] = fma16(qv[c], load16(rows[j] + 16 * c), acc[j]);
-    const Floats16 sums = sum16_each(acc) * scale;
+    const Floats16 sums = score_chunk<V>(qv, rows, scale);
     std::memcpy(out + i, &sums, sizeof(float) * (n - i < 16 ? n - i : 16));
+  }
+}
+
+// scores_fixed for `queries` queries (rows of q, q_stride apart; scores to rows of out, out_stride apart) over the
+// first n keys of seen, n a multiple of 16, which all of them see: each chunk of 16 keys is read once for all the
+// queries (it stays in L1 while they take it in turn), not once per query.
+template <int V, class T>
+void shared_scores_fixed(const float* q, int64_t q_stride, int64_t queries, const T* keys, int64_t stride,
+                         const int64_t* seen, int64_t n, float scale, float* out, int64_t out_stride) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const T* rows[16];
+    for (int j = 0; j < 16; ++j) rows[j] = keys + seen[i + j] * stride;
+    for (int64_t r = 0; r < queries; ++r) {
+      Floats16 qv[V];
+      for (int c = 0; c < V; ++c) qv[c] = load16(q + r * q_stride + 16 * c);
+      const Floats16 sums = score_chunk<V>(qv, rows, scale);
+      std::memcpy(out + r * out_stride + i, &sums, sizeof(sums));
+    }
   }
 }
 
@@ -164,16 +190,29 @@ void scores(const float* q, const T* keys, int64_t stride, const int64_t* seen, 
   }
 }
 
-// acc[r] = sum over i < n, in order, of w[r][i] * value seen[i], for the R heads r < R whose weights are rows of w
-// (stride w_stride) and whose sums go to acc + r * 16V: each value row is loaded once for all R heads, and every
-// head's sum takes the same instructions as alone. V = dim / 16; R * V accumulators kept in registers.
+// shared_scores_fixed for the dims with a fixed-size path; false (nothing computed) for the others.
+template <class T>
+bool shared_scores(const float* q, int64_t q_stride, int64_t queries, const T* keys, int64_t stride,
+                   const int64_t* seen, int64_t n, int64_t dim, float scale, float* out, int64_t out_stride) {
+  switch (dim) {
+    case 32: return shared_scores_fixed<2>(q, q_stride, queries, keys, stride, seen, n, scale, out, out_stride), true;
+    case 64: return shared_scores_fixed<4>(q, q_stride, queries, keys, stride, seen, n, scale, out, out_stride), true;
+    case 128: return shared_scores_fixed<8>(q, q_stride, queries, keys, stride, seen, n, scale, out, out_stride), true;
+    default: return false;
+  }
+}
+
+// acc[r] += sum over from <= i < n, in order, of w[r][i] * value seen[i], for the R weight rows r < R of w (stride
+// w_stride; a head of a query row each) whose sums are at acc + r * 16V (from zero where `fresh`): each value row is
+// loaded once for all R, and every sum takes the same instructions as alone, so a range of keys can be continued
+// later with the same bits. V = dim / 16; R * V accumulators kept in registers.
 template <int V, int R, class T>
 void weighted_values_fixed(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
-                           int64_t n, float* acc) {
+                           int64_t from, int64_t n, bool fresh, float* acc) {
   Floats16 sum[R][V];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < V; ++c) sum[r][c] = Floats16{};
-  for (int64_t i = 0; i < n; ++i) {
+    for (int c = 0; c < V; ++c) sum[r][c] = fresh ? Floats16{} : load16(acc + r * 16 * V + 16 * c);
+  for (int64_t i = from; i < n; ++i) {
     const T* row = values + seen[i] * stride;
     Floats16 value[V];
     for (int c = 0; c < V; ++c) value[c] = load16(row + 16 * c);
@@ -185,36 +224,41 @@ void weighted_values_fixed(const float* w, int64_t w_stride, const T* values, in
   for (int r = 0; r < R; ++r) std::memcpy(acc + r * 16 * V, sum[r], sizeof(sum[r]));
 }
 
-// Up to 16 / V heads at a time (at most 4): their accumulators fit the registers.
+// Up to 24 accumulators' worth of weight rows at a time (6 for dim 64: 24 sums, 4 value vectors and a weight in
+// the 32 registers).
 template <int V, class T>
-void weighted_values_heads(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
-                           int64_t n, int64_t heads, float* acc) {
-  constexpr int most = 16 / V < 4 ? 16 / V : 4;
-  for (int64_t r = 0; r < heads; r += most) {
+void weighted_values_rows(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
+                          int64_t from, int64_t n, bool fresh, int64_t rows, float* acc) {
+  constexpr int most = V >= 8 ? 2 : 24 / V < 6 ? 24 / V : 6;
+  for (int64_t r = 0; r < rows; r += most) {
     const float* wr = w + r * w_stride;
     float* ar = acc + r * 16 * V;
-    switch (heads - r < most ? heads - r : most) {
-      case 1: weighted_values_fixed<V, 1>(wr, w_stride, values, stride, seen, n, ar); break;
-      case 2: weighted_values_fixed<V, (most >= 2 ? 2 : 1)>(wr, w_stride, values, stride, seen, n, ar); break;
-      case 3: weighted_values_fixed<V, (most >= 3 ? 3 : 1)>(wr, w_stride, values, stride, seen, n, ar); break;
-      default: weighted_values_fixed<V, most>(wr, w_stride, values, stride, seen, n, ar);
+    switch (rows - r < most ? rows - r : most) {
+      case 1: weighted_values_fixed<V, 1>(wr, w_stride, values, stride, seen, from, n, fresh, ar); break;
+      case 2: weighted_values_fixed<V, (most >= 2 ? 2 : 1)>(wr, w_stride, values, stride, seen, from, n, fresh, ar); break;
+      case 3: weighted_values_fixed<V, (most >= 3 ? 3 : 1)>(wr, w_stride, values, stride, seen, from, n, fresh, ar); break;
+      case 4: weighted_values_fixed<V, (most >= 4 ? 4 : 1)>(wr, w_stride, values, stride, seen, from, n, fresh, ar); break;
+      case 5: weighted_values_fixed<V, (most >= 5 ? 5 : 1)>(wr, w_stride, values, stride, seen, from, n, fresh, ar); break;
+      default: weighted_values_fixed<V, most>(wr, w_stride, values, stride, seen, from, n, fresh, ar);
     }
   }
 }
 
-// The weighted value sums of `heads` heads (weights: rows of w, stride w_stride; sums: rows of acc, dim apart).
+// The weighted value sums of `rows` weight rows (rows of w, stride w_stride; sums: rows of acc, dim apart) over keys
+// seen[from, n), continuing the sums in acc unless `fresh`.
 template <class T>
 void weighted_values(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
-                     int64_t n, int64_t dim, int64_t heads, float* acc) {
+                     int64_t from, int64_t n, bool fresh, int64_t dim, int64_t rows, float* acc) {
   switch (dim) {
-    case 32: return weighted_values_heads<2>(w, w_stride, values, stride, seen, n, heads, acc);
-    case 64: return weighted_values_heads<4>(w, w_stride, values, stride, seen, n, heads, acc);
-    case 128: return weighted_values_heads<8>(w, w_stride, values, stride, seen, n, heads, acc);
+    case 32: return weighted_values_rows<2>(w, w_stride, values, stride, seen, from, n, fresh, rows, acc);
+    case 64: return weighted_values_rows<4>(w, w_stride, values, stride, seen, from, n, fresh, rows, acc);
+    case 128: return weighted_values_rows<8>(w, w_stride, values, stride, seen, from, n, fresh, rows, acc);
     default:
-      for (int64_t r = 0; r < heads; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
         float* out = acc + r * dim;
-        for (int64_t e = 0; e < dim; ++e) out[e] = 0.0f;
-        for (int64_t i = 0; i < n; ++i) add_scaled(out, w[r * w_stride + i], values + seen[i] * stride, dim);
+        if (fresh)
+          for (int64_t e = 0; e < dim; ++e) out[e] = 0.0f;
+        for (int64_t i = from; i < n; ++i) add_scaled(out, w[r * w_stride + i], values + seen[i] * stride, dim);
       }
   }
 }
@@ -257,8 +301,17 @@ inline void softmax(float* w, int64_t n) {
   float top = w[0];
 #pragma omp simd reduction(max : top)
   for (int64_t i = 1; i < n; ++i) top = w[i] > top ? w[i] : top;
+#ifdef __AVX512F__
+  const __m512 shift = _mm512_set1_ps(top);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 keep = n - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - i)) - 1);
+    const __m512 e = hf_tidar_cpu::exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, w + i), shift));
+    _mm512_mask_storeu_ps(w + i, keep, e);
+  }
+#else
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) w[i] = exp_nonpositive(w[i] - top);
+#endif
   Floats16 lanes{};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) lanes += load16(w + i);
@@ -268,46 +321,110 @@ inline void softmax(float* w, int64_t n) {
   for (int64_t j = 0; j < n; ++j) w[j] *= inverse;
 }
 
+constexpr int64_t kMostChunkRows = 6;  // query rows of one work item (one batch row and key/value head)
+
+// Query rows per (batch, key/value head) are split into this many near-equal chunks, each one work item: at most
+// kMostChunkRows rows an item, and at least two items a thread where the rows allow it. The chunks only decide
+// which rows share key and value loads, never a row's bits.
+int64_t row_chunks(const Shape& s) {
+  const int64_t items = s.batch * s.kv_heads, threads = at::get_num_threads();
+  const int64_t wanted = std::min<int64_t>(s.queries, (2 * threads + items - 1) / items);
+  return std::max<int64_t>((s.queries + kMostChunkRows - 1) / kMostChunkRows, wanted);
+}
+
+// How many leading entries the seen lists of `rows` rows (stride `stride`, counts n) have in common, over the rows
+// that see something; `first` is set to the first of those (its list holds the common keys).
+int64_t common_prefix(const int64_t* seen, const int64_t* n, int64_t rows, int64_t stride, int64_t& first) {
+  int64_t common = 0;
+  first = -1;
+  for (int64_t l = 0; l < rows; ++l) {
+    if (n[l] == 0) continue;
+    if (first < 0) {
+      first = l, common = n[l];
+      continue;
+    }
+    const int64_t* a = seen + first * stride;
+    const int64_t* b = seen + l * stride;
+    int64_t i = 0;
+    while (i < common && i < n[l] && a[i] == b[i]) ++i;
+    common = i;
+  }
+  return common;
+}
+
+// Each work item is a chunk of query rows of one (batch, key/value head): the keys all its rows see first (a TiDAR
+// pass's cache) are scored chunk by chunk for every row and head of the item at once, and their values summed for
+// all of them in one sweep; then each row goes on alone over the keys only it sees. Every row's scores, softmax
+// and sums take the instructions they would take alone, in the same order.
 template <class T>
 void attend(const T* q, Strides qs, const T* k, Strides ks, const T* v, Strides vs, const bool* mask,
             const int64_t (&mask_strides)[3], Shape s, float scale, T* out) {
   const int64_t group = s.heads / s.kv_heads;  // query heads per key/value head: they share every key load
   const int64_t causal_offset = s.keys - s.queries;  // without a mask, row t sees keys j <= t + offset
-  at::parallel_for(0, s.batch * s.kv_heads * s.queries, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> seen(s.keys);
-    std::vector<float> weight(group * s.keys), query(group * s.dim), acc(group * s.dim), key_scratch, value_scratch;
+  const int64_t chunks = row_chunks(s);
+  at::parallel_for(0, s.batch * s.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    constexpr int64_t R = kMostChunkRows;
+    std::vector<int64_t> seen(R * s.keys), n(R);
+    std::vector<float> weight(R * group * s.keys), query(R * group * s.dim), acc(R * group * s.dim), key_scratch,
+        value_scratch;
     int64_t widened = -1, key_stride = ks.r, value_stride = vs.r;  // the (batch, kv head) widened last
     const float *keys = nullptr, *values = nullptr;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item % s.queries, g = (item / s.queries) % s.kv_heads, b = item / (s.queries * s.kv_heads);
-      T* dst = out + ((b * s.queries + t) * s.heads + g * group) * s.dim;  // [batch, queries, heads, dim]
-      int64_t n = 0;
-      if (mask) {
-        const bool* row = mask + b * mask_strides[0] + t * mask_strides[1];
-        for (int64_t j = 0; j < s.keys; ++j)
-          if (row[j * mask_strides[2]]) seen[n++] = j;
-      } else {
-        for (int64_t j = 0; j <= t + causal_offset && j < s.keys; ++j) seen[n++] = j;
+      const int64_t c = item % chunks, g = (item / chunks) % s.kv_heads, b = item / (chunks * s.kv_heads);
+      const int64_t t0 = c * s.queries / chunks, rows = (c + 1) * s.queries / chunks - t0;
+      for (int64_t l = 0; l < rows; ++l) {
+        const int64_t t = t0 + l;
+        int64_t* row_seen = seen.data() + l * s.keys;
+        n[l] = 0;
+        if (mask) {
+          const bool* row = mask + b * mask_strides[0] + t * mask_strides[1];
+          for (int64_t j = 0; j < s.keys; ++j)
+            if (row[j * mask_strides[2]]) row_seen[n[l]++] = j;
+        } else {
+          for (int64_t j = 0; j <= t + causal_offset && j < s.keys; ++j) row_seen[n[l]++] = j;
+        }
+        for (int64_t r = 0; r < group; ++r) {
+          const T* qrow = q + b * qs.b + (g * group + r) * qs.h + t * qs.r;
+          for (int64_t d = 0; d < s.dim; ++d) query[(l * group + r) * s.dim + d] = widen(qrow[d]);
+        }
       }
-      if (n == 0) {  // a padding row that sees nothing: zeros (its output is never used)
-        for (int64_t e = 0; e < group * s.dim; ++e) dst[e] = T(0.0f);
-        continue;
-      }
-      if (widened != item / s.queries) {  // the rows of one (batch, kv head) are consecutive items
-        widened = item / s.queries;
+      if (widened != item / chunks) {  // the chunks of one (batch, kv head) are consecutive items
+        widened = item / chunks;
         key_stride = ks.r, value_stride = vs.r;
         keys = as_floats(k + b * ks.b + g * ks.h, ks.r, s.keys, s.dim, key_scratch, key_stride);
         values = as_floats(v + b * vs.b + g * vs.h, vs.r, s.keys, s.dim, value_scratch, value_stride);
       }
-      for (int64_t r = 0; r < group; ++r) {
-        const T* qrow = q + b * qs.b + (g * group + r) * qs.h + t * qs.r;
-        for (int64_t d = 0; d < s.dim; ++d) query[r * s.dim + d] = widen(qrow[d]);
+      // The keys every row of the item sees first: scored 16 at a time for all rows, summed for all in one sweep.
+      int64_t first = 0;
+      const int64_t common = rows > 1 ? common_prefix(seen.data(), n.data(), rows, s.keys, first) : 0;
+      const int64_t* common_keys = seen.data() + first * s.keys;
+      const int64_t scored = common >= 16 && shared_scores(query.data(), s.dim, rows * group, keys, key_stride,
+                                                           common_keys, common / 16 * 16, s.dim, scale, weight.data(),
+                                                           s.keys)
+                                 ? common / 16 * 16 : 0;
+      for (int64_t l = 0; l < rows; ++l) {
+        if (n[l] == 0) continue;
+        for (int64_t r = 0; r < group; ++r) {
+          float* w = weight.data() + (l * group + r) * s.keys;
+          scores(query.data() + (l * group + r) * s.dim, keys, key_stride, seen.data() + l * s.keys + scored,
+                 n[l] - scored, s.dim, scale, w + scored);
+          softmax(w, n[l]);
+        }
       }
-      for (int64_t r = 0; r < group; ++r)
-        scores(query.data() + r * s.dim, keys, key_stride, seen.data(), n, s.dim, scale, weight.data() + r * s.keys);
-      for (int64_t r = 0; r < group; ++r) softmax(weight.data() + r * s.keys, n);
-      weighted_values(weight.data(), s.keys, values, value_stride, seen.data(), n, s.dim, group, acc.data());
-      for (int64_t e = 0; e < group * s.dim; ++e) dst[e] = T(acc[e]);
+      if (common > 0)
+        weighted_values(weight.data(), s.keys, values, value_stride, common_keys, 0, common, true, s.dim,
+                        rows * group, acc.data());
+      for (int64_t l = 0; l < rows; ++l) {
+        T* dst = out + ((b * s.queries + t0 + l) * s.heads + g * group) * s.dim;  // [batch, queries, heads, dim]
+        if (n[l] == 0) {  // a padding row that sees nothing: zeros (its output is never used)
+          for (int64_t e = 0; e < group * s.dim; ++e) dst[e] = T(0.0f);
+          continue;
+        }
+        float* row_acc = acc.data() + l * group * s.dim;
+        weighted_values(weight.data() + l * group * s.keys, s.keys, values, value_stride, seen.data() + l * s.keys,
+                        common, n[l], common == 0, s.dim, group, row_acc);
+        for (int64_t e = 0; e < group * s.dim; ++e) dst[e] = T(row_acc[e]);
+      }
     }
   });
 }

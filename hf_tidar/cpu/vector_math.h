@@ -6,6 +6,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace hf_tidar_cpu {
 
@@ -32,5 +35,25 @@ inline float exp_nonpositive(float x) {
   std::memcpy(&out, &bits, sizeof(out));
   return x < kExpLowest ? 0.0f : out;
 }
+
+#ifdef __AVX512F__
+// exp_nonpositive on 16 lanes (x <= 0), its steps as explicit AVX-512 operations: left to the compiler, a loop of the
+// scalar function ran at 1.4-1.7 ns an element (a gated MLP's silus, a softmax over a pass's keys). The multiply-adds
+// are the ones GCC contracts the scalar function's into, so a lane gets the scalar function's bits.
+inline __m512 exp16_nonpositive(__m512 x) {
+  const __m512 lowest = _mm512_set1_ps(kExpLowest);
+  const __m512 clamped = _mm512_max_ps(x, lowest);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(clamped, _mm512_set1_ps(kLog2E)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), clamped);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), r);
+  __m512 p = _mm512_set1_ps(kExpPolynomial[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPolynomial[i]));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+  const __m512i scaled = _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), _mm512_castsi512_ps(scaled));
+}
+#endif
 
 }  // namespace hf_tidar_cpu
