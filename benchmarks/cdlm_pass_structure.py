@@ -3,7 +3,7 @@
     python benchmarks/cdlm_pass_structure.py --run RUN --model teacher --problems 40
 
 Decodes the run's first held-out problems with ``generate(strategy="cdlm", threshold=0.9)`` (a block-causal
-model: the exact block cache) and reads, from the decoder, the pass that finalised every token. A solution is
+model: the exact block cache) and reads the pass that finalised every token up to EOS (``finalised_at``). A solution is
 steps ``k: a±b=c.``; ``c`` is a running total and the next step's ``a`` its copy, the two tokens that need the
 step before. Prints how many tokens the passes finalise, the share of passes that finalise nothing but such
 tokens, and how often a total and its copy were finalised in the same pass: if never, a decode needs two passes
@@ -21,7 +21,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tidar  # noqa: F401  (registers the cdlm model type)
-from hf_tidar.cdlm import decoding
 from hf_tidar.cdlm.arithmetic import split_for_run
 
 
@@ -32,21 +31,14 @@ def token_roles(tokens: list[str]) -> list[str]:
     return ["c" if b == "=" else "a" if a in ("+", "-") else "other" for b, a in zip(before, after, strict=True)]
 
 
-def decoded_with_passes(model, ids: torch.Tensor, gen_len: int) -> decoding.BlockDecoder:
-    """The decoder of one ``generate(strategy="cdlm")`` call (its ``final_step`` says each token's pass)."""
-    made = []
-    original = decoding.BlockDecoder.__init__
-
-    def keep(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        made.append(self)
-
-    decoding.BlockDecoder.__init__ = keep
-    try:
-        model.generate(ids, max_new_tokens=gen_len, strategy="cdlm", threshold=0.9)
-    finally:
-        decoding.BlockDecoder.__init__ = original
-    return made[-1]
+def finalised_per_pass(model, ids: torch.Tensor, gen_len: int) -> tuple[list[int], list[int], int]:
+    """The generated tokens of one ``generate(strategy="cdlm", threshold=0.9)`` call up to its end, the pass that
+    finalised each (the output's ``finalised_at``), and the passes made (the EOS block's later ones too)."""
+    out = model.generate(ids, max_new_tokens=gen_len, strategy="cdlm", threshold=0.9, return_dict_in_generate=True)
+    at = out.finalised_at[0]
+    kept = int((at >= 0).sum())
+    tokens = out.sequences[0, ids.shape[1] : ids.shape[1] + kept].tolist()
+    return tokens, at[:kept].tolist(), int(out.forward_passes[0])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -60,28 +52,27 @@ def main(argv: list[str] | None = None) -> dict:
     _, test = split_for_run(run_args, args.problems)
     tokenizer = AutoTokenizer.from_pretrained(args.run / "teacher")
     model = AutoModelForCausalLM.from_pretrained(args.run / args.model).eval()
-    per_pass, passes, only_dependent, pairs, together = collections.Counter(), 0, 0, 0, 0
+    per_pass, passes, before_eos, only_dependent, pairs, together = collections.Counter(), 0, 0, 0, 0, 0
     for problem in test:
         ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        decoder = decoded_with_passes(model, ids, int(run_args["gen_len"]))
-        roles = token_roles(tokenizer.convert_ids_to_tokens(decoder.tokens[0].tolist()))
-        at = [(i // decoder.block_size, step) for i, step in enumerate(decoder.final_step[0].tolist())]
+        tokens, at, made = finalised_per_pass(model, ids, int(run_args["gen_len"]))
+        roles = token_roles(tokenizer.convert_ids_to_tokens(tokens))
         finalised = collections.defaultdict(list)
-        for i, (block, step) in enumerate(at):
-            if step >= 0:
-                finalised[(block, step)].append(roles[i])
-        passes += len(finalised)
+        for i, step in enumerate(at):
+            finalised[step].append(roles[i])
+        passes += made
+        before_eos += len(finalised)  # the passes that finalised a token up to EOS
         for pass_roles in finalised.values():
             per_pass[len(pass_roles)] += 1
             only_dependent += set(pass_roles) <= {"a", "c"}
         for i, role in enumerate(roles):
             copy = next((j for j in range(i + 1, len(roles)) if roles[j] == "a"), None) if role == "c" else None
-            if copy is not None and at[copy][1] >= 0:
+            if copy is not None:
                 pairs += 1
                 together += at[i] == at[copy]
     summary = {"problems": args.problems, "passes_per_problem": passes / args.problems,
                "tokens_per_pass_histogram": dict(sorted(per_pass.items())),
-               "share_of_passes_only_totals_or_copies": only_dependent / passes,
+               "share_of_passes_only_totals_or_copies": only_dependent / before_eos,
                "total_and_copy_in_one_pass": [together, pairs]}
     print(json.dumps(summary, indent=1))
     return summary

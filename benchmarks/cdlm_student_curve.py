@@ -4,8 +4,8 @@
     python benchmarks/cdlm_accuracy.py --problems 100 CURVE/s0:student:cdlm CURVE/s25:student:cdlm ...
 
 ``RUN`` is an ``examples/cdlm_arithmetic.py`` folder (its ``teacher/``, ``trajectories/`` and ``pipeline.json``).
-The student is distilled as the example does (``lora_student``, ``CdlmTrainer``, ``CdlmCollator``, cosine
-schedule with a 5% warm-up), at one thread, and a merged copy is saved at each ``--save`` step as a folder
+The student is distilled as the example does (``lora_student``, ``distillation_trainer`` with
+``cdlm_training_arguments``' recipe: a cosine schedule after a 5% warm-up), at one thread, and a merged copy is saved at each ``--save`` step as a folder
 ``CURVE/s<step>`` that ``benchmarks/cdlm_accuracy.py`` reads as a run (``s0``: the LoRA before any step, which
 decodes as the model it starts from). One run's snapshots tell when a recipe loses (or keeps) the answers, which
 the final student alone cannot.
@@ -20,10 +20,15 @@ import shutil
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, TrainerCallback, TrainingArguments
+from transformers import AutoTokenizer, TrainerCallback
 
 from hf_tidar.cdlm import CdlmForCausalLM
-from hf_tidar.cdlm.training import DEFAULT_LOSS_WEIGHTS, CdlmCollator, CdlmTrainer, lora_student
+from hf_tidar.cdlm.training import (
+    DEFAULT_LOSS_WEIGHTS,
+    cdlm_training_arguments,
+    distillation_trainer,
+    lora_student,
+)
 from hf_tidar.cdlm.trajectories import load_trajectories
 
 
@@ -70,16 +75,10 @@ def main(argv: list[str] | None = None) -> None:
     snapshots = MergedSnapshots(args.run, args.out, student, teacher, tokenizer, args.save)
     if 0 in args.save:
         snapshots.save(0)
-    training = TrainingArguments(
-        output_dir=str(args.out / "trainer"), max_steps=args.steps, per_device_train_batch_size=args.batch,
-        learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=max(args.steps // 20, 1), logging_steps=25,
-        save_strategy="no", report_to=[], remove_unused_columns=False, use_cpu=True, dataloader_num_workers=0,
-        disable_tqdm=True,
-    )
-    collator = CdlmCollator(tokenizer.mask_token_id, teacher.config.block_size, tokenizer.pad_token_id)
-    trainer = CdlmTrainer(model=student, args=training, train_dataset=trajectories, data_collator=collator,
-                          teacher_head=copy.deepcopy(teacher.get_output_embeddings()),
-                          loss_weights=tuple(args.loss_weights), callbacks=[snapshots])
+    training = cdlm_training_arguments(args.out / "trainer", args.steps, args.batch, args.lr, logging_steps=25,
+                                       use_cpu=True, disable_tqdm=True)
+    trainer = distillation_trainer(student, teacher, tokenizer, trajectories, training,
+                                   loss_weights=tuple(args.loss_weights), callbacks=[snapshots])
     trainer.train()
     (args.out / "log.json").write_text(json.dumps(trainer.state.log_history, indent=1))
 

@@ -17,7 +17,6 @@ start (tried: 15 minutes of diffusion training alone learned the solution format
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import random
@@ -25,7 +24,7 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_tidar import metrics
 from hf_tidar.cdlm import CdlmConfig, CdlmForCausalLM
@@ -38,7 +37,12 @@ from hf_tidar.cdlm.arithmetic import (
     task_tokenizer,
 )
 from hf_tidar.cdlm.configuration import PROMPT_ATTENTION
-from hf_tidar.cdlm.training import DEFAULT_LOSS_WEIGHTS, CdlmCollator, CdlmTrainer, lora_student
+from hf_tidar.cdlm.training import (
+    DEFAULT_LOSS_WEIGHTS,
+    cdlm_training_arguments,
+    distillation_trainer,
+    lora_student,
+)
 from hf_tidar.cdlm.trajectories import collect_trajectories
 from hf_tidar.prompt_encoding import left_pad
 
@@ -237,23 +241,8 @@ def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_si
     such as the teacher trained further under the block-causal mask); the targets are the teacher's either way.
     """
     student = lora_student(teacher if start_from is None else start_from, rank=rank, alpha=2 * rank)
-    args = TrainingArguments(
-        output_dir=str(out_dir / "trainer"),
-        max_steps=steps,
-        per_device_train_batch_size=batch_size,
-        learning_rate=lr,
-        lr_scheduler_type="cosine",
-        warmup_steps=max(steps // 20, 1),
-        logging_steps=max(steps // 10, 1),
-        save_strategy="no",
-        report_to=[],
-        remove_unused_columns=False,
-        use_cpu=True,
-        dataloader_num_workers=0,
-    )
-    collator = CdlmCollator(tokenizer.mask_token_id, teacher.config.block_size, tokenizer.pad_token_id)
-    trainer = CdlmTrainer(model=student, args=args, train_dataset=trajectories, data_collator=collator,
-                          teacher_head=copy.deepcopy(teacher.get_output_embeddings()), loss_weights=loss_weights)
+    args = cdlm_training_arguments(out_dir / "trainer", steps, batch_size, lr, use_cpu=True)
+    trainer = distillation_trainer(student, teacher, tokenizer, trajectories, args, loss_weights=loss_weights)
     trainer.train()
     merged = student.merge_and_unload()
     return merged, trainer.state.log_history

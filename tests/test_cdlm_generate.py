@@ -166,6 +166,27 @@ def test_unreachable_threshold_decodes_one_token_per_pass():
     assert out.sequences.shape[1] == 16
 
 
+@pytest.mark.parametrize("strategy", ["cdlm", "dlm"])
+def test_each_token_says_which_of_its_rows_passes_finalised_it(strategy):
+    model = peaky_student()  # block-causal: "cdlm" with its block cache, "dlm" recomputing the sequence
+    ids, mask = left_padded_prompts(3, 7, seed=1)
+    out = model.generate(ids, attention_mask=mask, strategy=strategy, max_new_tokens=12, threshold=0.3,
+                         return_dict_in_generate=True, eos_token_id=None)
+    assert out.finalised_at.shape == (3, 12)
+    assert any(n > 1 for row in out.accepted_lengths for n in row), "threshold rule never fired"
+    for at, accepted in zip(out.finalised_at.tolist(), out.accepted_lengths, strict=True):
+        assert [at.count(j) for j in range(len(accepted))] == accepted  # pass j finalised accepted[j] tokens
+        blocks = [at[start : start + 4] for start in range(0, 12, 4)]
+        assert all(max(a) < min(b) for a, b in zip(blocks[:-1], blocks[1:], strict=True))  # a block ends before the next
+    eos = int(out.sequences[0, ids.shape[1] + 5])  # a token row 0 writes: EOS there ends that row early
+    early = model.generate(ids, attention_mask=mask, strategy=strategy, max_new_tokens=12, threshold=0.3,
+                           return_dict_in_generate=True, eos_token_id=eos, pad_token_id=0)
+    generated = early.sequences[:, ids.shape[1] :]
+    ended = torch.isin(generated, torch.tensor([eos])).int().cumsum(-1)
+    past_end = (ended - (generated == eos).int()) > 0  # after the row's first EOS
+    assert past_end.any() and torch.equal(early.finalised_at < 0, past_end)
+
+
 def test_vanilla_teacher_one_token_per_pass_and_threshold_parallel():
     student = peaky_student()
     teacher = CdlmForCausalLM.from_dlm(student, attention_mode="bidirectional").eval()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from datasets import Dataset
@@ -11,7 +13,15 @@ from transformers import TrainingArguments
 from hf_tidar import CdlmForCausalLM, metrics
 from hf_tidar.cdlm import trajectories as traj
 from hf_tidar.cdlm.arithmetic import extract_answer, generate_problems, split
-from hf_tidar.cdlm.training import LOSS_NAMES, CdlmCollator, CdlmTrainer, cdlm_losses, lora_student
+from hf_tidar.cdlm.training import (
+    LOSS_NAMES,
+    CdlmCollator,
+    CdlmTrainer,
+    cdlm_losses,
+    cdlm_training_arguments,
+    distillation_trainer,
+    lora_student,
+)
 from hf_tidar.training import byte_level_tokenizer
 
 BLOCK = 4
@@ -127,6 +137,26 @@ def test_trainer_lowers_the_loss_and_logs_each_part(teacher, trajectories, token
     assert total() < before
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logged and all(name in logged[0] for name in LOSS_NAMES)
+
+
+def test_the_distillation_trainer_targets_the_teachers_head_whatever_the_student_started_from(
+        teacher, trajectories, tokenizer, tmp_path):
+    start = copy.deepcopy(teacher)
+    with torch.no_grad():
+        start.get_output_embeddings().weight.mul_(2.0)  # a model of the teacher's shape, not the teacher
+    student = lora_student(start, rank=4, alpha=8)
+    args = cdlm_training_arguments(tmp_path, steps=40, batch_size=6, learning_rate=1e-2, use_cpu=True, logging_steps=3)
+    assert (args.max_steps, args.per_device_train_batch_size, args.learning_rate) == (40, 6, 1e-2)
+    assert args.lr_scheduler_type == "cosine" and args.warmup_steps == 2 and args.logging_steps == 3
+    assert not args.remove_unused_columns and args.save_strategy == "no" and args.use_cpu
+    trainer = distillation_trainer(student, teacher, tokenizer, trajectories, args, loss_weights=(1.0, 0.0, 0.0))
+    teacher_weight = teacher.get_output_embeddings().weight
+    assert torch.equal(trainer.teacher_head.weight, teacher_weight)
+    assert not torch.equal(student.get_output_embeddings().weight, teacher_weight)
+    assert trainer.loss_weights == (1.0, 0.0, 0.0)
+    collator = trainer.data_collator
+    assert (collator.mask_token_id, collator.block_size, collator.pad_token_id) == (
+        tokenizer.mask_token_id, BLOCK, tokenizer.pad_token_id)
 
 
 def test_trainer_rejects_mismatched_trajectories(teacher, trajectories, tmp_path):

@@ -66,7 +66,8 @@ class BlockDecoder:
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long, device=device)
         self.tokens = torch.full((rows, max_new_tokens), model.require_mask_token_id(), dtype=torch.long, device=device)
         self.final = torch.zeros(rows, max_new_tokens, dtype=torch.bool, device=device)
-        self.final_step = torch.full((rows, max_new_tokens), -1, dtype=torch.long, device=device)
+        # Which of its row's passes (0, 1, ...: the entries of accepted[row]) finalised each position; -1 not yet.
+        self.finalised_at = torch.full((rows, max_new_tokens), -1, dtype=torch.long, device=device)
         self.active = torch.ones(rows, dtype=torch.bool, device=device)
         self.passes = torch.zeros(rows, dtype=torch.long, device=device)
         self.accepted: list[list[int]] = [[] for _ in range(rows)]
@@ -76,7 +77,6 @@ class BlockDecoder:
         self.scores = torch.zeros(rows, max_new_tokens, vocab, device=device) if keep_scores else None
         dtype = model.lm_head.weight.dtype
         self.hidden = torch.zeros(rows, max_new_tokens, hidden_size, dtype=dtype, device=device) if keep_hidden else None
-        self.step = 0
         self.decoded = 0  # generated positions covered by finished blocks
         self.last_scores: torch.Tensor | None = None
 
@@ -121,7 +121,7 @@ class BlockDecoder:
         span = slice(start, end)
         self.tokens[rows, span] = torch.where(chosen, choice, self.tokens[rows, span])
         self.final[rows, span] |= chosen
-        self.final_step[rows, span] = torch.where(chosen, self.step, self.final_step[rows, span])
+        self.finalised_at[rows, span] = torch.where(chosen, self.passes[rows, None], self.finalised_at[rows, span])
         for store, value in ((self.logits, logits), (self.scores, scores), (self.hidden, hidden)):
             if store is not None:
                 store[rows, span] = torch.where(chosen[..., None], value.to(store.dtype), store[rows, span])
@@ -129,7 +129,6 @@ class BlockDecoder:
         self.passes[rows] += worked.long()
         for row, count in zip(rows[worked].tolist(), chosen[worked].sum(-1).tolist(), strict=True):
             self.accepted[row].append(int(count))
-        self.step += 1
         if self.last_scores is None:
             self.last_scores = scores.new_zeros(self.tokens.shape[0], scores.shape[-1])
         self.last_scores[rows] = scores[:, -1]
@@ -161,8 +160,10 @@ class BlockDecoder:
         lengths = self._row_lengths()
         width = max(lengths)
         generated = self.tokens[:, :width].clone()
+        finalised_at = self.finalised_at[:, :width].clone()
         for row, length in enumerate(lengths):
             generated[row, length:] = pad_token_id
+            finalised_at[row, length:] = -1
         sequences = torch.cat([self.input_ids, generated], dim=1)
         if not generation_config.return_dict_in_generate:
             return sequences
@@ -176,6 +177,7 @@ class BlockDecoder:
             logits=per_position(self.logits),
             forward_passes=self.passes.clone(),
             accepted_lengths=self.accepted,
+            finalised_at=finalised_at,
         )
 
 

@@ -18,11 +18,12 @@ import copy
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import Trainer
+from transformers import Trainer, TrainingArguments
 
 from ..modeling import LossTracker
 from ..training.loss_logging import LossPartsLogMixin
@@ -243,3 +244,28 @@ def lora_student(teacher, block_size: int | None = None, rank: int = 16, alpha: 
         trainable_token_indices={"embed_tokens": [student.require_mask_token_id()]},
     )
     return get_peft_model(student, config)
+
+
+def cdlm_training_arguments(output_dir: str | Path, steps: int, batch_size: int, learning_rate: float,
+                            **overrides) -> TrainingArguments:
+    """``TrainingArguments`` for a CDLM distillation of ``steps`` steps: a cosine schedule after a 5% warm-up, a log
+    line every tenth of the run, no checkpoints or reports, the trajectories' columns kept for
+    :class:`CdlmCollator`, data loaded in the main process. ``overrides`` sets any other field (``use_cpu=True``,
+    ``logging_steps``, ...)."""
+    recipe = dict(output_dir=str(output_dir), max_steps=steps, per_device_train_batch_size=batch_size,
+                  learning_rate=learning_rate, lr_scheduler_type="cosine", warmup_steps=max(steps // 20, 1),
+                  logging_steps=max(steps // 10, 1), save_strategy="no", report_to=[], remove_unused_columns=False,
+                  dataloader_num_workers=0)
+    return TrainingArguments(**{**recipe, **overrides})
+
+
+def distillation_trainer(student, teacher, tokenizer, trajectories, args: TrainingArguments,
+                         loss_weights=DEFAULT_LOSS_WEIGHTS, callbacks=None) -> CdlmTrainer:
+    """A :class:`CdlmTrainer` that distils ``teacher`` into ``student`` (:func:`lora_student`'s, from the teacher or
+    from another model of its shape) on ``trajectories`` (the teacher's, :func:`~hf_tidar.cdlm.load_trajectories`):
+    batches from a :class:`CdlmCollator` with the tokenizer's ``[MASK]`` and padding ids and the teacher's block
+    size, targets from a frozen copy of the teacher's own LM head (whatever the student started from)."""
+    collator = CdlmCollator(tokenizer.mask_token_id, teacher.config.block_size, tokenizer.pad_token_id)
+    return CdlmTrainer(model=student, args=args, train_dataset=trajectories, data_collator=collator,
+                       teacher_head=copy.deepcopy(teacher.get_output_embeddings()), loss_weights=loss_weights,
+                       callbacks=callbacks)

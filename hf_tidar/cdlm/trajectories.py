@@ -67,7 +67,7 @@ def _collect_batch(teacher, prompts, targets, max_new_tokens, block_size, eos_id
     for r, length in enumerate(decoder._row_lengths()):
         # Keep whole blocks: the block holding EOS was decoded to its end, and the student learns all of it.
         end = min(-(-length // block_size) * block_size, decoder.decoded)
-        steps = decoder.final_step[r, :end]
+        steps = decoder.finalised_at[r, :end]
         order = torch.cat([s.argsort().argsort() for s in steps.split(block_size)])
         rows["prompt_ids"].append(list(prompts[r]))
         rows["output_ids"].append(decoder.tokens[r, :end].tolist())

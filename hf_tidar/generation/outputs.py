@@ -18,11 +18,15 @@ class StrategyGenerateOutput(GenerateDecoderOnlyOutput):
             (TiDAR: accepted drafts plus the verifier's own token).
         accepted_length_histogram: ``[batch, max_len + 1]``: entry ``[r, n]`` counts row ``r``'s passes
             that committed ``n`` tokens.
+        finalised_at: ``[batch, generated]`` (the diffusion strategies, ``"cdlm"`` and ``"dlm"``): which of its row's
+            passes finalised each generated token (``j``: the pass of ``accepted_lengths[r][j]``), ``-1`` past
+            the row's end. Tokens of one block can be finalised in any order; a later block's come after.
     """
 
     forward_passes: torch.LongTensor | None = None
     accepted_lengths: list[list[int]] | None = None
     accepted_length_histogram: torch.LongTensor | None = None
+    finalised_at: torch.LongTensor | None = None
 
     @property
     def tokens_per_forward(self) -> list[float]:
