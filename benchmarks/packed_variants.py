@@ -35,9 +35,9 @@ LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_att
 LAYERS = (3, 11, 19, 27)
 
 
-def build(source: Path, index: int, folder: Path):
-    """``source`` as the operator library ``packed_variant_<index>``."""
-    library = f"packed_variant_{index}"
+def build(source: Path, index: int, folder: Path, prefix: str = "packed_variant"):
+    """``source`` as the operator library ``<prefix>_<index>`` (its ops: ``torch.ops.<library>``)."""
+    library = f"{prefix}_{index}"
     flags = [*BASE_CFLAGS, *ISA_FLAGS[kernel_isa()][1], f"-DHF_TIDAR_KERNEL_LIBRARY={library}"]
     load(name=f"{library}_module", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
          build_directory=str(folder), is_python_module=False, verbose=False)

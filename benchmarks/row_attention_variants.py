@@ -21,22 +21,10 @@ from pathlib import Path
 
 import torch
 
-# A script beside this one (run as `python benchmarks/...`, this folder is on the path): the same table.
-from packed_variants import print_table
-from torch.utils.cpp_extension import load
-
-from hf_tidar.cpu.kernel import BASE_CFLAGS, ISA_FLAGS, kernel_isa
+# A script beside this one (run as `python benchmarks/...`, this folder is on the path): the same build and table.
+from packed_variants import build, print_table
 
 CACHE, LAYERS = 120, 30
-
-
-def build(source: Path, index: int, folder: Path):
-    """``source``'s ``row_attention`` operator, built as the library ``row_attention_variant_<index>``."""
-    library = f"row_attention_variant_{index}"
-    flags = [*BASE_CFLAGS, *ISA_FLAGS[kernel_isa()][1], f"-DHF_TIDAR_KERNEL_LIBRARY={library}"]
-    load(name=f"{library}_module", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         build_directory=str(folder), is_python_module=False, verbose=False)
-    return getattr(torch.ops, library).row_attention
 
 
 def pass_mask(rows: int, keys: int) -> torch.Tensor:
@@ -91,7 +79,7 @@ def main() -> None:
         ops = []
         for index, source in enumerate(args.sources):
             (Path(folder) / str(index)).mkdir()
-            ops.append(build(source, index, Path(folder) / str(index)))
+            ops.append(build(source, index, Path(folder) / str(index), prefix="row_attention_variant").row_attention)
         check_bits(ops)
         print("bits: every variant equal to the first, every row equal to itself alone")
         flush = torch.randn(1 << 23)

@@ -160,13 +160,14 @@ class BlockDecoder:
         lengths = self._row_lengths()
         width = max(lengths)
         generated = self.tokens[:, :width].clone()
-        finalised_at = self.finalised_at[:, :width].clone()
         for row, length in enumerate(lengths):
             generated[row, length:] = pad_token_id
-            finalised_at[row, length:] = -1
         sequences = torch.cat([self.input_ids, generated], dim=1)
         if not generation_config.return_dict_in_generate:
             return sequences
+        finalised_at = self.finalised_at[:, :width].clone()
+        for row, length in enumerate(lengths):
+            finalised_at[row, length:] = -1
 
         def per_position(store: torch.Tensor | None) -> tuple[torch.Tensor, ...] | None:
             return None if store is None else tuple(store[:, j] for j in range(width))

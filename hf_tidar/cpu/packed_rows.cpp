@@ -896,7 +896,7 @@ void certify_top(const float* x, int64_t K, const float* weight, const float* no
   for (int64_t k = 0; k < K; ++k) squares += double(x[k]) * x[k];
   // 1.001: room for the roundings of this bound's own float arithmetic.
   const float scale = float(1.001 * (kBf16ProductError + 2.1 * K / 16777216.0) * std::sqrt(squares));
-  const float flushed = std::ldexp(float(K), -120);  // vdpbf16ps flushes subnormal products and sums to zero
+  const float flushed = std::ldexp(float(K), -120);  // vdpbf16ps and tdpbf16ps flush subnormals to zero
   // The watched outputs leave the lower bound (set to -inf, they are no candidate) and are recomputed after.
   constexpr float kNone = -std::numeric_limits<float>::infinity();
   for (int64_t id : watched) y[id] = kNone;

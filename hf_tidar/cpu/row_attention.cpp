@@ -224,8 +224,8 @@ void weighted_values_fixed(const float* w, int64_t w_stride, const T* values, in
   for (int r = 0; r < R; ++r) std::memcpy(acc + r * 16 * V, sum[r], sizeof(sum[r]));
 }
 
-// Up to 24 accumulators' worth of weight rows at a time (6 for dim 64: 24 sums, 4 value vectors and a weight in
-// the 32 registers).
+// Weight rows a few at a time, their sums, the value row and a weight within the 32 registers: 6 for dims 32 and 64
+// (at dim 64: 24 sums, 4 value vectors, a weight), 2 for dim 128 (16 sums, 8 value vectors).
 template <int V, class T>
 void weighted_values_rows(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
                           int64_t from, int64_t n, bool fresh, int64_t rows, float* acc) {
