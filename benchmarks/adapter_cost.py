@@ -12,8 +12,9 @@ this used transformers' ``DynamicCache``, which decoding does not use; cropped b
 after every call; ``k * k`` rows through the LM head, as a
 pass projects), for the model without an adapter and with
 the shipped adapter in its lean form, both on the measured CPU linear path (:mod:`hf_tidar.cpu`), and a
-one-token AR step on the same cache for scale. Calls alternate (plain, lean, AR step, plain, ...), so
-machine drift hits them alike; medians over ``--repeats``. Unlike ``pass_cost.py``, the two models do
+one-token AR step on the same cache for scale. Calls alternate (plain pass, lean pass, AR step, plain pass, ...), so
+machine drift hits them alike, each timed right after the same call untimed, as in decoding a pass follows its
+model's last pass; medians over ``--repeats``. Unlike ``pass_cost.py``, the two models do
 the same work (``pass_cost.py`` times whole generations, whose pass count depends on acceptance).
 """
 
@@ -128,10 +129,18 @@ def main() -> None:
         masks = plan.query_len - k
         ids = torch.cat([prefix[:, -k:], torch.full((args.batch_size, masks), mask_id)], dim=1)
         samples: dict[str, list[float]] = {"ar": [], **{name: [] for name in models}}
-        for _ in range(args.repeats + 2):  # the first two calls warm up
+        for _ in range(args.repeats + 2):  # the first two rounds warm up
             for name, model in models.items():
+                # Each call timed right after the same call untimed, as in decoding a pass follows its model's last
+                # pass: a CPU's caches (a large last level, as here) keep part of what the last call read, the
+                # adapter's factors included. Until the thirty-fifth session the passes without an adapter followed an
+                # AR step of their own model and the lean ones a pass of the other model, which read neither their
+                # weights nor their factors.
+                timed_forward(model, ids, caches[name], plan)
                 samples[name].append(timed_forward(model, ids, caches[name], plan))
-            samples["ar"].append(timed_forward(models[first_model], step, caches[first_model], None))
+            ar_model = models[first_model]
+            timed_forward(ar_model, step, caches[first_model], None)
+            samples["ar"].append(timed_forward(ar_model, step, caches[first_model], None))
         ms = {name: statistics.median(values[2:]) * 1e3 for name, values in samples.items()}
         for drafts in args.draft_dtypes:
             suffix = "" if drafts == "float32" else f", {drafts} drafts"

@@ -44,6 +44,14 @@ def build(source: Path, index: int, folder: Path, prefix: str = "packed_variant"
     return getattr(torch.ops, library)
 
 
+def lora_a_packer(op, pairs: bool):
+    """How a variant packs lora_a: ``pack_codes`` where it has one (from the thirty-fifth session on), else as its
+    weights."""
+    if hasattr(op, "pack_codes"):
+        return op.pack_codes
+    return op.pack_column_pairs if pairs else op.pack_columns
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sources", nargs="+", type=Path, help="packed_rows.cpp variants")
@@ -75,8 +83,8 @@ def main() -> None:
         factors = [[(torch.randn(args.lora_rank, w.shape[1]).to(factor_dtype),
                      torch.randn(w.shape[0], args.lora_rank).to(factor_dtype)) for w in layer]
                    for layer in layers] if args.lora_rank else None
-        packed_factors = [[[((op.pack_column_pairs if pairs else op.pack_columns)(a), op.pack_columns(b))
-                            for a, b in layer] for layer in factors] for op in ops] if factors else None
+        packed_factors = [[[(lora_a_packer(op, pairs)(a), op.pack_columns(b)) for a, b in layer] for layer in factors]
+                          for op in ops] if factors else None
         flush = torch.randn(96 << 18)
         seconds = {(v, rows): [] for v in range(len(ops)) for rows in args.rows}
         for _ in range(args.rounds):

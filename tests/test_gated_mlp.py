@@ -14,11 +14,12 @@ from hf_tidar.adapters import to_lean
 from hf_tidar.cpu.kernel import (
     gated_bf16_tail_kernel,
     gated_linear_kernel,
+    lora_codes_packer,
     packed_bf16_tail_kernel,
     packed_pair_kernel,
     packed_row_kernel,
 )
-from hf_tidar.cpu.mlp import _stacked_factors, disable_gated_mlps, interleave_blocks
+from hf_tidar.cpu.mlp import _pack_factors, _stacked_factors, disable_gated_mlps, interleave_blocks
 from hf_tidar.masks import tidar_training_layout
 from hf_tidar.tiny import TINY_BACKBONES
 from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
@@ -42,8 +43,9 @@ def _tolerance(dtype):  # silu is the library's, not torch's: a few float32 ulps
 
 
 def _gated_case(dtype, rows: int, n: int, k: int, gate_rank: int, up_rank: int, seed: int, pack, pack_b):
-    """Random ``x`` [rows, k], gate and up weights [n, k] and their LoRA factors (both ranks 0, or neither), the pair
-    packed together, and the stacked factors packed as the operator takes them (``(None, None)`` at rank 0)."""
+    """Random ``x`` [rows, k], gate and up weights [n, k] and their LoRA factors (both ranks 0, or neither; the
+    smaller rank padded with zeros to the larger, as the operator takes them), the pair packed together, and the
+    stacked factors packed as the operator takes them (``(None, None)`` at rank 0)."""
     g = torch.Generator().manual_seed(seed)
     gate, up, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (n, k), (rows, k)))
     factors = [torch.randn(*shape, generator=g).to(dtype)
@@ -51,14 +53,17 @@ def _gated_case(dtype, rows: int, n: int, k: int, gate_rank: int, up_rank: int, 
     lora = (None, None)
     if gate_rank:
         stacked_a, stacked_b = _stacked_factors(*factors)
-        lora = (pack(stacked_a.contiguous()), pack_b(stacked_b))
+        lora = _pack_factors((stacked_a, stacked_b), lora_codes_packer(), pack_b)
+        rank = max(gate_rank, up_rank)  # each factor at the common rank: a rank's codes have their own summation
+        factors = [torch.cat([a, a.new_zeros(rank - a.shape[0], k)]) if i % 2 == 0
+                   else torch.cat([a, a.new_zeros(n, rank - a.shape[1])], dim=1) for i, a in enumerate(factors)]
     return x, gate, up, factors, pack(interleave_blocks(gate, up).contiguous()), lora
 
 
 def _alone(multiply, pack, pack_b, x, weight, a, b, tail: int):
     """One projection of ``x`` on its own packed product (``multiply``) with its own LoRA factors (none at rank 0)."""
     rank = a.shape[0]
-    return multiply(x, pack(weight), weight.shape[0], None, pack(a.contiguous()) if rank else None,
+    return multiply(x, pack(weight), weight.shape[0], None, lora_codes_packer()(a.contiguous()) if rank else None,
                     pack_b(b.contiguous()) if rank else None, tail)
 
 

@@ -14,6 +14,7 @@ from hf_tidar.cpu import linear as measured
 from hf_tidar.cpu.kernel import (
     few_row_bf16_tail_kernel,
     kernel_isa,
+    lora_codes_packer,
     packed_bf16_tail_kernel,
     packed_pair_kernel,
     packed_row_kernel,
@@ -22,6 +23,7 @@ from hf_tidar.cpu.packed import ColumnPackedProduct
 from hf_tidar.generation.cost_profile import profile_key
 
 needs_packed = pytest.mark.skipif(packed_row_kernel() is None, reason="the packed product needs an AVX-512 build")
+pack_codes = lora_codes_packer()
 needs_pairs = pytest.mark.skipif(packed_pair_kernel() is None, reason="bfloat16 pairs need the AVX-512 BF16 build")
 
 
@@ -59,7 +61,36 @@ def test_the_packed_product_is_the_linear_and_a_rows_bits_do_not_depend_on_the_r
 
 
 @needs_packed
-@pytest.mark.parametrize("rank", [4, 16, 20])
+@pytest.mark.parametrize("rank,in_features", [(1, 24), (2, 24), (3, 24), (8, 24), (4, 19), (16, 24), (20, 24)])
+def test_pack_codes_puts_consecutive_inputs_of_a_low_rank_factor_side_by_side(rank, in_features):
+    # Up to 8 codes: S = 16 / (rank rounded up to a power of two) inputs of each code in one vector; over 8, the
+    # weight's layout.
+    lora_a = torch.randn(rank, in_features)
+    packed = pack_codes(lora_a)
+    if rank > 8:
+        assert torch.equal(packed, packed_row_kernel()[0](lora_a))
+        return
+    group = 16 // (1 << (rank - 1).bit_length())
+    steps = -(-in_features // group)
+    assert packed.shape == (1, steps, 16) and packed.dtype == lora_a.dtype
+    for r in range(rank):
+        for k in range(in_features):
+            assert packed[0, k // group, r * group + k % group] == lora_a[r, k]
+    assert int((packed != 0).sum()) == rank * in_features  # zeros elsewhere (a random factor has no zero)
+    assert pack_codes(lora_a.half()).dtype == torch.float16
+    if packed_pair_kernel() is None:
+        return
+    # bfloat16: pairs of k take the place of single k (for vdpbf16ps), the last pair of an odd K padded with a zero.
+    pairs = pack_codes(lora_a.bfloat16())
+    assert pairs.shape == (1, -(-((in_features + 1) // 2) // group), 16, 2) and pairs.dtype == torch.bfloat16
+    for r in range(rank):
+        for k in range(in_features):
+            assert pairs[0, k // 2 // group, r * group + k // 2 % group, k % 2] == lora_a[r, k].bfloat16()
+    assert int((pairs != 0).sum()) == rank * in_features
+
+
+@needs_packed
+@pytest.mark.parametrize("rank", [1, 2, 3, 4, 8, 16, 20])
 @pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (5, 5), (20, 7)])
 def test_the_lora_tail_is_added_to_the_tail_rows_only(rank, rows, tail):
     # 200 outputs: 13 column blocks, more than one chunk where several row tiles share the blocks (13 and 20 rows)
@@ -69,9 +100,12 @@ def test_the_lora_tail_is_added_to_the_tail_rows_only(rank, rows, tail):
     lora_a, lora_b = torch.randn(rank, 24, generator=generator), torch.randn(200, rank, generator=generator)
     x = torch.randn(rows, 24, generator=generator)
     plain = multiply(x, pack(weight), 200, None, None, None, rows)
-    got = multiply(x, pack(weight), 200, None, pack(lora_a), pack(lora_b), tail)
+    got = multiply(x, pack(weight), 200, None, pack_codes(lora_a), pack(lora_b), tail)
     torch.testing.assert_close(got, _reference(x, weight, None, lora_a, lora_b, tail), rtol=1e-5, atol=1e-5)
     assert torch.equal(got[:tail], plain[:tail])  # clean rows: the base product, bit for bit
+    for row in range(tail, rows):  # a tail row's bits do not depend on the other rows
+        alone = multiply(x[row:row + 1].contiguous(), pack(weight), 200, None, pack_codes(lora_a), pack(lora_b), 0)
+        assert torch.equal(alone, got[row:row + 1])
 
 
 @needs_packed
@@ -85,13 +119,13 @@ def test_float16_factors_give_the_bits_of_their_float32_values(half):
     x = torch.randn(7, 24, generator=generator)
     given_a = lora_a if half in ("lora_a", "both") else lora_a.float()
     given_b = lora_b if half in ("lora_b", "both") else lora_b.float()
-    got = multiply(x, pack(weight), 40, None, pack(given_a), pack(given_b), 2)
-    assert torch.equal(got, multiply(x, pack(weight), 40, None, pack(lora_a.float()), pack(lora_b.float()), 2))
+    got = multiply(x, pack(weight), 40, None, pack_codes(given_a), pack(given_b), 2)
+    assert torch.equal(got, multiply(x, pack(weight), 40, None, pack_codes(lora_a.float()), pack(lora_b.float()), 2))
     torch.testing.assert_close(got, _reference(x, weight, None, lora_a.float(), lora_b.float(), 2), rtol=1e-5,
                                atol=1e-5)
     for drafts in filter(None, [packed_bf16_tail_kernel()]):  # the bfloat16-tail operator takes them too
-        got = drafts(x, pack(weight), 40, None, pack(given_a), pack(given_b), 2)
-        assert torch.equal(got, drafts(x, pack(weight), 40, None, pack(lora_a.float()), pack(lora_b.float()), 2))
+        got = drafts(x, pack(weight), 40, None, pack_codes(given_a), pack(given_b), 2)
+        assert torch.equal(got, drafts(x, pack(weight), 40, None, pack_codes(lora_a.float()), pack(lora_b.float()), 2))
 
 
 def _bf16_reference(x, weight, bias, lora_a, lora_b):
@@ -119,7 +153,7 @@ def test_bfloat16_draft_rows_on_packed_weights_keep_the_clean_rows_bits(out_feat
     factors = (None, None)
     if rank:
         factors = (torch.randn(rank, in_features, generator=generator), torch.randn(out_features, rank, generator=generator))
-    packed = (pack(weight), *(None if f is None else pack(f) for f in factors))
+    packed = (pack(weight), None, None) if not rank else (pack(weight), pack_codes(factors[0]), pack(factors[1]))
     want = multiply(x, packed[0], out_features, bias, packed[1], packed[2], tail)
     got = drafts(x, packed[0], out_features, bias, packed[1], packed[2], tail)
     # Clean rows: the float32 product's bits (a mixed tile for up to 4 clean rows, separate tiles past that).
@@ -159,17 +193,18 @@ def test_bfloat16_weights_packed_as_pairs_give_the_linear_and_a_rows_bits_whatev
 
 
 @needs_pairs
-@pytest.mark.parametrize("rank", [4, 16, 20])
+@pytest.mark.parametrize("rank", [2, 4, 8, 16, 20])
 @pytest.mark.parametrize("rows,tail", [(6, 2), (12, 3), (13, 0), (5, 5), (20, 7), (4, 2)])
-def test_the_lora_tail_on_bfloat16_pairs_is_added_to_the_tail_rows_only(rank, rows, tail):
+@pytest.mark.parametrize("in_features", [24, 19])  # 19: the rows' last pair padded for the codes
+def test_the_lora_tail_on_bfloat16_pairs_is_added_to_the_tail_rows_only(rank, rows, tail, in_features):
     pack, multiply, pack_columns = packed_pair_kernel()
     generator = torch.Generator().manual_seed(rank + rows)
-    weight = torch.randn(200, 24, generator=generator).bfloat16()
-    lora_a = torch.randn(rank, 24, generator=generator).bfloat16()
+    weight = torch.randn(200, in_features, generator=generator).bfloat16()
+    lora_a = torch.randn(rank, in_features, generator=generator).bfloat16()
     lora_b = torch.randn(200, rank, generator=generator).bfloat16()
-    x = torch.randn(rows, 24, generator=generator).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).bfloat16()
     plain = multiply(x, pack(weight), 200, None, None, None, rows)
-    got = multiply(x, pack(weight), 200, None, pack(lora_a), pack_columns(lora_b), tail)
+    got = multiply(x, pack(weight), 200, None, pack_codes(lora_a), pack_columns(lora_b), tail)
     _assert_bfloat16_rounding_of(got, _reference(x, weight, None, lora_a, lora_b, tail))
     assert torch.equal(got[:tail], plain[:tail])  # clean rows: the base product, bit for bit
     if tail < rows:
@@ -317,7 +352,7 @@ def test_each_bfloat16_build_gives_the_linear_and_a_rows_bits_whatever_the_row_c
     if rank:
         lora_a = torch.randn(rank, in_features, generator=generator).bfloat16()
         lora_b = (0.1 * torch.randn(200, rank, generator=generator)).bfloat16()
-        factors = (library.pack_column_pairs(lora_a), library.pack_columns(lora_b))
+        factors = (library.pack_codes(lora_a), library.pack_columns(lora_b))
     for rows in (1, 4, 12, 13, 30):
         tail = rows // 2
         got = library.packed_pair_linear(x[:rows], packed, 200, bias, *factors, tail)

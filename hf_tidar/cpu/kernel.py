@@ -181,7 +181,8 @@ def packed_row_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torc
 
     ``pack(w [N, K]) -> [ceil(N / 16), K, 16]`` (float32 or float16 ``w``, float32 result);
     ``multiply(x [M, K], packed, N, bias | None, lora_a_packed | None, lora_b_packed | None, tail_start) -> [M, N]``,
-    every tensor float32; rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. A row's result has the
+    every tensor float32 (the factors float32 or float16, ``lora_a`` packed by :func:`lora_codes_packer`'s operator,
+    ``lora_b`` by ``pack``); rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. A row's result has the
     same bits whatever ``M`` (not the same bits as :func:`few_row_kernel`'s).
     """
     isa = kernel_isa()
@@ -189,6 +190,15 @@ def packed_row_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torc
         return None
     library = built_library(isa)
     return None if library is None else (library.pack_columns, library.packed_row_linear)
+
+
+def lora_codes_packer() -> Callable[..., torch.Tensor] | None:
+    """``pack_codes(lora_a [R, K]) -> [ceil(R / 16), ceil(K / S), 16]`` (``packed_rows.cpp``, float32, float16 or
+    bfloat16, its own dtype out): a LoRA factor in the layout the packed products take it. Up to 8 codes (a rank-4
+    factor, or a gated MLP's two) share one 16-lane vector, ``S = 16 / P`` consecutive inputs of each side by side
+    (``P``: the code count rounded up to a power of two; ``S = 1`` over 8 codes), so a low rank streams ``P / 16`` of
+    the bytes a weight's layout would; ``None`` unless an AVX-512 build runs here."""
+    return _operator("pack_codes", only_on=AVX512_ISAS)
 
 
 def packed_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
@@ -208,7 +218,7 @@ def packed_pair_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., tor
 
     ``pack(w [N, K] bfloat16) -> [ceil(N / 16), ceil(K / 2), 16, 2]``; ``multiply(x [M, K], packed, N, bias | None,
     lora_a_packed | None, lora_b_packed | None, tail_start) -> [M, N]``, every tensor bfloat16, ``lora_a`` packed by
-    ``pack`` and ``lora_b`` by ``pack_columns``; rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. Sums
+    :func:`lora_codes_packer`'s operator and ``lora_b`` by ``pack_columns``; rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. Sums
     in float32 (``vdpbf16ps``; on the ``amx_bf16`` build, where ``K`` is a multiple of 32, the tile unit's
     ``tdpbf16ps``), one rounding to bfloat16 at the end: a row's result has the same bits whatever ``M``.
     """
@@ -223,9 +233,10 @@ def gated_linear_kernel() -> Callable[..., torch.Tensor] | None:
     """``packed_gated_linear(x [M, K], packed, N, lora_a | None, lora_b | None, tail_start) -> [M, N]``
     (``packed_rows.cpp``): ``silu(x @ gateᵀ) * (x @ upᵀ)`` from gate and up weights ``[N, K]`` packed together (rows
     interleaved 16 at a time, then packed as the packed product packs float32 or, on the AVX-512 BF16 build,
-    bfloat16 weights); with LoRA, ``lora_a`` ``[2R, K]`` (gate's factor rows, then up's) packed as the weights and
-    ``lora_b`` ``[2N, R]`` (their rows interleaved as the weights') packed as the product packs ``lora_b``, each output
-    block updated by its own factor; ``None`` unless an AVX-512 build runs here."""
+    bfloat16 weights); with LoRA, ``lora_a`` gate's ``[R, K]`` factor and up's, each packed by
+    :func:`lora_codes_packer`'s operator, concatenated, and ``lora_b`` ``[2N, R]`` (their rows interleaved as the
+    weights') packed as the product packs ``lora_b``, each output block updated by its own factor; ``None`` unless an
+    AVX-512 build runs here."""
     return _operator("packed_gated_linear", only_on=AVX512_ISAS)
 
 

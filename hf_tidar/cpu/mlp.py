@@ -126,7 +126,7 @@ def enable_gated_mlps(model: nn.Module) -> int:
             continue
         gate = module.gate_proj.__dict__
         product = gate.get("exact_op") or gate["few_row_op"]
-        pack, pack_lora_b = product.pack, product.pack_lora_b
+        pack, pack_lora_a, pack_lora_b = product.pack, product.pack_lora_a, product.pack_lora_b
         module.__class__ = _measured_class(type(module))
         module.gated_op, module.gated_dtype = op, module.gate_proj.weight.dtype
         # Without bfloat16 drafts no tail reaches the bfloat16 variant.
@@ -134,14 +134,19 @@ def enable_gated_mlps(model: nn.Module) -> int:
         module.gated_draft_min_rows = gate.get("draft_min_rows", MAX_ROWS + 1)
         module.gated_weights = StackedCopy(lambda gate, up, pack=pack: pack(interleave_blocks(gate, up).contiguous()))
         module.gated_factors = StackedCopy(
-            lambda *factors, pack=pack, pack_b=pack_lora_b: _pack_factors(_stacked_factors(*factors), pack, pack_b))
+            lambda *factors, pack_a=pack_lora_a, pack_b=pack_lora_b: _pack_factors(_stacked_factors(*factors), pack_a,
+                                                                                   pack_b))
         count += 1
     return count
 
 
-def _pack_factors(factors: tuple[torch.Tensor, torch.Tensor], pack, pack_lora_b) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack_factors(factors: tuple[torch.Tensor, torch.Tensor], pack_lora_a, pack_lora_b) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked factors packed as the operator takes them: gate's and up's ``A`` each by ``pack_lora_a`` (so each
+    factor's codes are the ones its own product computes), concatenated; ``B`` by ``pack_lora_b``."""
     lora_a, lora_b = factors
-    return pack(lora_a.contiguous()), pack_lora_b(lora_b.contiguous())
+    rank = lora_a.shape[0] // 2
+    packed_a = torch.cat([pack_lora_a(lora_a[:rank].contiguous()), pack_lora_a(lora_a[rank:].contiguous())])
+    return packed_a, pack_lora_b(lora_b.contiguous())
 
 
 def disable_gated_mlps(model: nn.Module) -> None:

@@ -18,6 +18,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .kernel import lora_codes_packer
+
 
 class PackedCopy:
     """A copy of a tensor made by ``pack``, made again whenever the tensor changes: another tensor object, or the
@@ -66,21 +68,24 @@ class StackedCopy:
 
 class ColumnPackedProduct:
     """A drop-in for the few-row operator of one linear: ``(x, weight, bias, lora_a, lora_b, tail_start) -> y``,
-    computed from packed copies of ``weight`` and of the LoRA factors, each re-packed when it changes. ``pack`` and
-    ``pack_lora_b`` are its packing functions (the weight's and ``lora_a``'s, and ``lora_b``'s)."""
+    computed from packed copies of ``weight`` and of the LoRA factors, each re-packed when it changes. ``pack``,
+    ``pack_lora_a`` and ``pack_lora_b`` are its packing functions (the weight's, ``lora_a``'s: by default the kernel's
+    ``pack_codes``, and ``lora_b``'s: by default ``pack``)."""
 
-    __slots__ = ("_multiply", "_weight", "_lora_a", "_lora_b", "pack", "pack_lora_b")
+    __slots__ = ("_multiply", "_weight", "_lora_a", "_lora_b", "pack", "pack_lora_a", "pack_lora_b")
 
     def __init__(self, pack: Callable[..., torch.Tensor], multiply: Callable[..., torch.Tensor],
-                 pack_lora_b: Callable[..., torch.Tensor] | None = None):
+                 pack_lora_b: Callable[..., torch.Tensor] | None = None,
+                 pack_lora_a: Callable[..., torch.Tensor] | None = None):
         self._multiply = multiply
         self.pack, self.pack_lora_b = pack, pack_lora_b or pack
+        # lora_a in the codes' own layout: a low-rank factor packed as a weight would fill a few of each block's lanes.
+        self.pack_lora_a = pack_lora_a or lora_codes_packer()
         self._weight = PackedCopy(pack)
         # The factors as given: float16 ones (exact ones, see hf_tidar.cpu.linear) halve their streams, which go past
-        # next to every weight (the kernel widens them exactly: the same products). lora_a is packed as the weight
-        # (it multiplies the same inputs); lora_b by ``pack_lora_b`` where the layouts differ (bfloat16 pairs).
-        pack_b = pack_lora_b or pack
-        self._lora_a = PackedCopy(lambda a: pack(a.contiguous()))
+        # next to every weight (the kernel widens them exactly: the same products).
+        pack_a, pack_b = self.pack_lora_a, self.pack_lora_b
+        self._lora_a = PackedCopy(lambda a: pack_a(a.contiguous()))
         self._lora_b = PackedCopy(lambda b: pack_b(b.contiguous()))
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor | None,

@@ -14,9 +14,10 @@
 // in a one-row AR step and in a many-row TiDAR pass (not the same bits as few_rows.cpp's, which sums 16 lanes
 // and then reduces them).
 //
-// LoRA on a tail of the rows (the gated adapter's [MASK] rows): lora_a and lora_b are packed the same way (either
-// may stay float16, widened exactly at each step, which halves its stream next to every weight); the tail rows'
-// codes z = x @ lora_aᵀ come first, then each tail row's accumulators continue with z @ lora_bᵀ after its K terms.
+// LoRA on a tail of the rows (the gated adapter's [MASK] rows): the tail rows' codes z = x @ lora_aᵀ come first
+// (lora_a packed by pack_codes, see tail_codes), then each tail row's accumulators continue with z @ lora_bᵀ after its
+// K terms (lora_b packed as the weight; either factor may stay float16, widened exactly at each step, which halves
+// its stream next to every weight).
 //
 // packed_row_linear_bf16_tail (the AVX-512 BF16 build) takes the tail rows in bfloat16 instead: they are drafts,
 // which verification never trusts, and vdpbf16ps does two of their products per instruction (see mixed_tile).
@@ -43,6 +44,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -306,30 +308,243 @@ void run_product(const P& product, int64_t blocks) {
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) { rows_times_blocks(product, b0, b1); });
 }
 
+inline void prefetch_bytes(const void* data, int64_t bytes) {
+  for (int64_t offset = 0; offset < bytes; offset += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(data) + offset, _MM_HINT_T0);
+}
+
+// The LoRA codes z = x @ lora_aᵀ of a product's tail rows, computed on the calling thread before the product's threads
+// start (they all need every code). Packed as a weight ([R/16, K, 16]), a rank-4 factor would fill 4 of a block's 16
+// lanes: its stream 4 times the factor's size, and each code one chain of K dependent multiply-adds. pack_codes
+// instead puts S = 16 / P consecutive k of each code side by side (P: the code count rounded up to a power of two,
+// for up to 8 codes): lane r * S + s of vector t holds a[r, t * S + s], and a row's inputs
+// x[t * S .. t * S + S - 1] are one broadcast of S floats. The factor streams P / 16 of the bytes, and each code sums
+// S interleaved partial sums, added in order of s at the end: a row's codes depend on its own inputs alone. More
+// than 8 codes: S = 1, 16 codes a block (pack_columns' layout).
+inline int64_t code_group(int64_t codes) {
+  if (codes > 8) return 1;
+  int64_t lanes = 1;
+  while (lanes < codes) lanes *= 2;
+  return kLanes / lanes;
+}
+
+template <class T>
+void pack_codes_into(const T* s, int64_t R, int64_t K, int64_t group, int64_t steps, T* d) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t k = 0; k < K; ++k)
+      d[((r / kLanes) * steps + k / group) * kLanes + (r % kLanes) * group + k % group] = s[r * K + k];
+}
+
+// Rows [rows, K] of bfloat16 values as pairs (uint32: (v[2p], v[2p + 1])), `width` pairs a row, zeros past K.
+void bfloat16_pairs_into(const c10::BFloat16* v, int64_t rows, int64_t K, int64_t width, uint32_t* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    uint32_t* row = out + i * width;
+    std::fill(row, row + width, 0u);
+    std::copy(v + i * K, v + (i + 1) * K, reinterpret_cast<c10::BFloat16*>(row));
+  }
+}
+
+// a [R, K] as [ceil(R / 16), ceil(K / S), 16] of its own dtype, S = code_group(R), zeros elsewhere; bfloat16 as pairs
+// of k ([ceil(R / 16), ceil(K / 2S), 16, 2]: lane r * S + s of vector t holds the pair t * S + s, for vdpbf16ps).
+at::Tensor pack_codes(const at::Tensor& a) {
+  const auto dtype = a.scalar_type();
+  TORCH_CHECK(a.dim() == 2 && a.device().is_cpu() && a.is_contiguous() &&
+                  (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
+              "pack_codes: lora_a must be a contiguous [R, K] float32, float16 or bfloat16 CPU tensor");
+  const int64_t R = a.size(0), K = a.size(1), group = code_group(R), blocks = (R + kLanes - 1) / kLanes;
+  if (dtype == at::kBFloat16) {
+    const int64_t pairs = (K + 1) / 2, steps = (pairs + group - 1) / group;
+    std::vector<uint32_t> rows(R * pairs);
+    bfloat16_pairs_into(a.data_ptr<c10::BFloat16>(), R, K, pairs, rows.data());
+    at::Tensor packed = at::zeros({blocks, steps, kLanes, 2}, a.options());
+    pack_codes_into(rows.data(), R, pairs, group, steps, reinterpret_cast<uint32_t*>(packed.data_ptr<c10::BFloat16>()));
+    return packed;
+  }
+  const int64_t steps = (K + group - 1) / group;
+  at::Tensor packed = at::zeros({blocks, steps, kLanes}, a.options());
+  if (dtype == at::kFloat)
+    pack_codes_into(a.data_ptr<float>(), R, K, group, steps, packed.data_ptr<float>());
+  else
+    pack_codes_into(a.data_ptr<c10::Half>(), R, K, group, steps, packed.data_ptr<c10::Half>());
+  return packed;
+}
+
+// S consecutive floats at x repeated across 16 lanes (lane j: x[j % S]); loads only, no shuffle port.
+template <int S>
+inline __m512 broadcast_group(const float* x) {
+  if constexpr (S == 1) {
+    return _mm512_set1_ps(*x);
+  } else if constexpr (S == 2) {
+    double pair;
+    std::memcpy(&pair, x, sizeof pair);
+    return _mm512_castpd_ps(_mm512_set1_pd(pair));
+  } else if constexpr (S == 4) {
+    return _mm512_broadcast_f32x4(_mm_loadu_ps(x));
+  } else if constexpr (S == 8) {
+    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(x))));
+  } else {
+    return _mm512_loadu_ps(x);
+  }
+}
+
+// One step of a codes tile: the factor's vector, then a row's S inputs broadcast and multiply-added into acc. Float32
+// rows (a float32 or float16 factor), or bfloat16 rows and factor as pairs of k (pack_codes' bfloat16 layout), where
+// vdpbf16ps adds both products of a pair to each lane (exact products, float32 sums): two k a lane and instruction,
+// read straight from the bfloat16 rows.
+template <class A>
+inline __m512 factor_step(const A* a) { return load_lanes(a); }
+template <int S>
+inline __m512 multiply_add(__m512 acc, const float* x, __m512 av) {
+  return _mm512_fmadd_ps(broadcast_group<S>(x), av, acc);
+}
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+inline __m512i factor_step(const uint32_t* a) { return _mm512_loadu_si512(a); }
+template <int S>
+inline __m512 multiply_add(__m512 acc, const uint32_t* x, __m512i av) {
+  __m512i xv;
+  if constexpr (S == 1) {
+    xv = _mm512_set1_epi32(static_cast<int>(*x));
+  } else if constexpr (S == 2) {
+    long long pairs;
+    std::memcpy(&pairs, x, sizeof pairs);
+    xv = _mm512_set1_epi64(pairs);
+  } else if constexpr (S == 4) {
+    xv = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+  } else if constexpr (S == 8) {
+    xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  } else {
+    xv = _mm512_loadu_si512(x);
+  }
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<const __m512bh&>(av), reinterpret_cast<const __m512bh&>(xv));
+}
+#endif
+
+// Codes [MR, count] (stride ldz) of MR rows (stride ldx, zero-padded to steps * S) against one packed codes block.
+// Each row sums even and odd steps apart (two chains of dependent multiply-adds, so that up to 4 rows keep 8 in flight).
+template <int S, int MR, class X, class A>
+void code_tile(const X* x, int64_t ldx, const A* a, int64_t steps, int64_t count, float* z, int64_t ldz) {
+  __m512 even[MR], odd[MR];
+  for (int i = 0; i < MR; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 1 < steps; t += 2) {
+    const auto av = factor_step(a + t * kLanes), next = factor_step(a + (t + 1) * kLanes);
+    for (int i = 0; i < MR; ++i) {
+      even[i] = multiply_add<S>(even[i], x + i * ldx + t * S, av);
+      odd[i] = multiply_add<S>(odd[i], x + i * ldx + (t + 1) * S, next);
+    }
+  }
+  if (t < steps) {
+    const auto av = factor_step(a + t * kLanes);
+    for (int i = 0; i < MR; ++i) even[i] = multiply_add<S>(even[i], x + i * ldx + t * S, av);
+  }
+  for (int i = 0; i < MR; ++i) {
+    alignas(64) float lanes[kLanes];
+    _mm512_store_ps(lanes, _mm512_add_ps(even[i], odd[i]));
+    for (int64_t c = 0; c < count; ++c) {
+      float sum = lanes[c * S];
+      for (int s = 1; s < S; ++s) sum += lanes[c * S + s];
+      z[i * ldz + c] = sum;
+    }
+  }
+}
+
+constexpr int kCodeTileRows = 4;  // rows sharing a codes tile
+
+template <int S, class X, class A>
+void code_rows(const X* x, int64_t T, int64_t ldx, const A* a, int64_t steps, int64_t count, float* z,
+               int64_t ldz) {
+  for (int64_t m = 0; m < T; m += kCodeTileRows) {
+    const X* rows = x + m * ldx;
+    float* out = z + m * ldz;
+    switch (std::min<int64_t>(T - m, kCodeTileRows)) {
+      case 4: code_tile<S, 4>(rows, ldx, a, steps, count, out, ldz); break;
+      case 3: code_tile<S, 3>(rows, ldx, a, steps, count, out, ldz); break;
+      case 2: code_tile<S, 2>(rows, ldx, a, steps, count, out, ldz); break;
+      default: code_tile<S, 1>(rows, ldx, a, steps, count, out, ldz); break;
+    }
+  }
+}
+
+// lora_a: `factors` rank-R factors (2: a gated product's gate and up), each packed by pack_codes, one after the other.
+void check_codes(const at::Tensor& a, const char* op, int64_t factors, int64_t R, int64_t K, bool bfloat16) {
+  const int64_t blocks = (R + kLanes - 1) / kLanes, units = bfloat16 ? (K + 1) / 2 : K;
+  const int64_t steps = (units + code_group(R) - 1) / code_group(R);
+  const auto dtype = a.scalar_type();
+  TORCH_CHECK(a.device().is_cpu() && a.is_contiguous() && a.dim() == (bfloat16 ? 4 : 3) &&
+                  a.size(0) == factors * blocks && a.size(1) == steps && a.size(2) == kLanes &&
+                  (bfloat16 ? dtype == at::kBFloat16 && a.size(3) == 2 : dtype == at::kFloat || dtype == at::kHalf),
+              op, ": lora_a must be a contiguous ", bfloat16 ? "bfloat16" : "float32 or float16", " CPU tensor: ",
+              factors == 2 ? "gate's and up's factors each packed by pack_codes, concatenated, " : "pack_codes' layout ",
+              "[", factors * blocks, ", ", steps, bfloat16 ? ", 16, 2]" : ", 16]");
+}
+
+// A thread's scratch floats (one buffer per `Slot`), kept from call to call. A fresh std::vector each call can cost a
+// few µs of page faults (glibc may hand a freed arena top back to the system, and the next call touches new pages):
+// timed inside a k = 4 SmolLM2 float32 pass, a product's codes took 2.4 µs with a fresh copy of their inputs, 1.3
+// with this scratch (benchmarks/adapter_cost.py has the whole adapter's share).
+template <int Slot, class T = float>
+T* scratch(int64_t count) {
+  thread_local std::vector<T> buffer;
+  if (int64_t(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
+
+// The codes [factors][T, R] of T rows (`width` units a row: whole groups) against `factors` packed rank-R factors
+// (`steps` vectors a block), into this thread's scratch.
+template <class X, class A>
+const float* all_codes(const X* rows, int64_t T, int64_t width, const A* a, int64_t factors, int64_t R,
+                       int64_t steps) {
+  const int64_t blocks = (R + kLanes - 1) / kLanes;
+  float* z = scratch<1>(factors * T * R);
+  for (int64_t f = 0; f < factors; ++f)
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const A* block = a + (f * blocks + blk) * steps * kLanes;
+      const int64_t count = std::min<int64_t>(kLanes, R - blk * kLanes);
+      float* out = z + f * T * R + blk * kLanes;
+      switch (code_group(R)) {
+        case 16: code_rows<16>(rows, T, width, block, steps, count, out, R); break;
+        case 8: code_rows<8>(rows, T, width, block, steps, count, out, R); break;
+        case 4: code_rows<4>(rows, T, width, block, steps, count, out, R); break;
+        case 2: code_rows<2>(rows, T, width, block, steps, count, out, R); break;
+        default: code_rows<1>(rows, T, width, block, steps, count, out, R); break;
+      }
+    }
+  return z;
+}
+
+// The codes of T float32 rows of x ([T, K]) against `factors` rank-R factors packed by pack_codes one after the other
+// (checked by check_codes), into this thread's scratch (read by the product's threads during the call): [factors][T,
+// R], each factor's codes as a product with it alone would give. A few KB of factor and a few thousand multiply-adds.
+template <class A>
+const float* tail_codes(const float* x, int64_t T, int64_t K, const A* a, int64_t factors, int64_t R) {
+  const int64_t group = code_group(R), steps = (K + group - 1) / group, width = steps * group;
+  const int64_t blocks = (R + kLanes - 1) / kLanes;
+  prefetch_bytes(a, factors * blocks * steps * kLanes * int64_t(sizeof(A)));  // asked for while the rows are copied
+  const float* rows = x;
+  if (width != K) {  // padded to whole groups: no broadcast reads past a row
+    float* copy = scratch<0>(T * width);
+    for (int64_t t = 0; t < T; ++t) {
+      std::copy(x + t * K, x + (t + 1) * K, copy + t * width);
+      std::fill(copy + t * width + K, copy + (t + 1) * width, 0.0f);
+    }
+    rows = copy;
+  }
+  return all_codes(rows, T, width, a, factors, R, steps);
+}
+
 // What both operators check and prepare: the bias, the tail's start and, with LoRA, the tail rows' codes z.
 struct Prepared {
   int64_t M, K, blocks;
   const float* bias = nullptr;
   int64_t tail = 0, R = 0;
-  std::vector<float> z;
-  int64_t odd_codes = 0;  // a gated product's (see split_codes)
+  const float* z = nullptr;  // the codes (the calling thread's scratch)
+  // A gated product's: where up's codes start after gate's in z (the even blocks read gate's, the odd up's:
+  // finish_tile's z and z_odd).
+  int64_t odd_codes = 0;
 };
 
-// A gated product's codes, [rows, 2R] (gate's factor's R, then up's), as two [rows, R] matrices one after the other:
-// the even (gate) blocks read the first, the odd (up) blocks the second (finish_tile's z and z_odd). Returns where the
-// second starts.
-int64_t split_codes(std::vector<float>& z, int64_t rows, int64_t R) {
-  std::vector<float> split(z.size());
-  for (int64_t t = 0; t < rows; ++t)
-    for (int64_t r = 0; r < R; ++r) {
-      split[t * R + r] = z[t * 2 * R + r];
-      split[(rows + t) * R + r] = z[t * 2 * R + R + r];
-    }
-  z.swap(split);
-  return rows * R;
-}
-
-// gated: lora_a holds two factors' rows (2R: gate's, then up's) and lora_b [N, R] alternates their 16-column blocks.
+// gated: lora_a holds two factors (gate's, then up's, each packed by pack_codes) and lora_b [N, R] alternates their
+// 16-column blocks.
 Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, int64_t N,
                  const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
                  const std::optional<at::Tensor>& lora_b, int64_t tail_start, bool gated = false) {
@@ -347,19 +562,15 @@ Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, 
   if (lora_a.has_value() && p.tail < p.M) {
     TORCH_CHECK(lora_b.has_value(), op, ": lora_a needs lora_b");
     p.R = lora_b->dim() == 3 ? lora_b->size(1) : 0;
-    const int64_t codes = gated ? 2 * p.R : p.R;
+    const int64_t factors = gated ? 2 : 1;
     check_packed(*lora_b, "lora_b", p.blocks, p.R, /*half_too=*/true);
-    check_packed(*lora_a, "lora_a", (codes + kLanes - 1) / kLanes, p.K, /*half_too=*/true);
-    p.z.resize((p.M - p.tail) * codes);  // the codes: a product of its own, too small to share among threads
+    check_codes(*lora_a, op, factors, p.R, p.K, /*bfloat16=*/false);
     const float* rows = x.data_ptr<float>() + p.tail * p.K;
-    const int64_t code_blocks = (codes + kLanes - 1) / kLanes;
     if (lora_a->scalar_type() == at::kHalf)  // an exact float16 factor: half its stream, the same products
-      rows_times_blocks(Product<float, c10::Half>{rows, p.M - p.tail, p.K, lora_a->data_ptr<c10::Half>(), codes, nullptr,
-                                                  nullptr, nullptr, 0, p.M - p.tail, p.z.data()}, 0, code_blocks);
+      p.z = tail_codes(rows, p.M - p.tail, p.K, lora_a->data_ptr<c10::Half>(), factors, p.R);
     else
-      rows_times_blocks(Product<float>{rows, p.M - p.tail, p.K, lora_a->data_ptr<float>(), codes, nullptr, nullptr,
-                                       nullptr, 0, p.M - p.tail, p.z.data()}, 0, code_blocks);
-    if (gated) p.odd_codes = split_codes(p.z, p.M - p.tail, p.R);
+      p.z = tail_codes(rows, p.M - p.tail, p.K, lora_a->data_ptr<float>(), factors, p.R);
+    if (gated) p.odd_codes = (p.M - p.tail) * p.R;
   }
   return p;
 }
@@ -381,7 +592,7 @@ at::Tensor float32_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N
                         const std::optional<at::Tensor>& lora_b) {
   at::Tensor y = at::empty({p.M, N}, x.options());
   if (p.M == 0) return y;
-  const float* codes = p.z.empty() ? nullptr : p.z.data();
+  const float* codes = p.z;
   with_lora_b(p, lora_b, [&](const auto* b) {
     run_product(Product<Element<decltype(b)>>{x.data_ptr<float>(), p.M, p.K, packed.data_ptr<float>(), N, p.bias,
                                               codes, b, p.R, p.tail, y.data_ptr<float>(), p.odd_codes}, p.blocks);
@@ -390,7 +601,8 @@ at::Tensor float32_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N
 }
 
 // y = x @ wᵀ (+ bias) from w packed by pack_columns; rows from tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ,
-// with lora_a [R, K] and lora_b [N, R] (each float32 or float16: its stream halved) packed the same way.
+// with lora_a [R, K] packed by pack_codes and lora_b [N, R] by pack_columns (each float32 or float16: its stream
+// halved).
 at::Tensor packed_row_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                              const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
                              const std::optional<at::Tensor>& lora_b, int64_t tail_start) {
@@ -578,7 +790,7 @@ at::Tensor bf16_tail_rows(const at::Tensor& x, const at::Tensor& packed, int64_t
   const float* x_data = x.data_ptr<float>();
   float* y_data = y.data_ptr<float>();
   const std::vector<uint32_t> pairs = bfloat16_pairs(x_data + p.tail * p.K, p.M - p.tail, p.K);
-  const float* codes = p.z.empty() ? nullptr : p.z.data();
+  const float* codes = p.z;
   const float* w = packed.data_ptr<float>();
   with_lora_b(p, lora_b, [&](const auto* b) {
     using B = Element<decltype(b)>;
@@ -816,6 +1028,22 @@ void check_pairs(const at::Tensor& t, const char* name, int64_t blocks, int64_t 
               blocks, ", ", steps, ", 16, 2]");
 }
 
+// tail_codes for T bfloat16 rows and factors packed by pack_codes as bfloat16 (pairs of k): the rows are read as pairs
+// where they hold whole groups of them (copied, zero-padded, where not).
+const float* tail_pair_codes(const c10::BFloat16* x, int64_t T, int64_t K, const c10::BFloat16* a, int64_t factors,
+                             int64_t R) {
+  const int64_t group = code_group(R), pairs = (K + 1) / 2, steps = (pairs + group - 1) / group, width = steps * group;
+  const int64_t blocks = (R + kLanes - 1) / kLanes;
+  prefetch_bytes(a, factors * blocks * steps * kLanes * int64_t(sizeof(uint32_t)));
+  const uint32_t* rows = reinterpret_cast<const uint32_t*>(x);
+  if (K % 2 || width != pairs) {
+    uint32_t* copy = scratch<0, uint32_t>(T * width);
+    bfloat16_pairs_into(x, T, K, width, copy);
+    rows = copy;
+  }
+  return all_codes(rows, T, width, reinterpret_cast<const uint32_t*>(a), factors, R, steps);
+}
+
 // packed_pair_linear's product (below); gated: as prepare's (lora_a holds gate's and up's factors, lora_b alternates their blocks).
 at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, const std::optional<at::Tensor>& bias,
                      const std::optional<at::Tensor>& lora_a, const std::optional<at::Tensor>& lora_b,
@@ -831,10 +1059,8 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
   std::vector<uint32_t> padded;
   const uint32_t* pairs = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
   if (K % 2) {
-    padded.assign(M * steps, 0);
-    const auto* src = x.data_ptr<c10::BFloat16>();
-    for (int64_t i = 0; i < M; ++i)
-      std::copy(src + i * K, src + (i + 1) * K, reinterpret_cast<c10::BFloat16*>(padded.data() + i * steps));
+    padded.resize(M * steps);
+    bfloat16_pairs_into(x.data_ptr<c10::BFloat16>(), M, K, steps, padded.data());
     pairs = padded.data();
   }
   std::vector<float> bias_values;
@@ -847,7 +1073,7 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
   const float* bias_data = bias_values.empty() ? nullptr : bias_values.data();
   const int64_t tail = std::clamp<int64_t>(tail_start, 0, M);
   int64_t R = 0, odd_codes = 0;
-  std::vector<float> z;
+  const float* z = nullptr;
   const c10::BFloat16* b = nullptr;
   if (lora_a.has_value() && tail < M) {
     TORCH_CHECK(lora_b.has_value(), "packed_pair_linear: lora_a needs lora_b");
@@ -856,19 +1082,16 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
                     lora_b->size(0) == blocks && lora_b->size(2) == kLanes,
                 "packed_pair_linear: lora_b must be a contiguous bfloat16 CPU tensor of pack_columns' layout [",
                 blocks, ", R, 16]");
-    const int64_t codes = gated ? 2 * R : R;
-    check_pairs(*lora_a, "lora_a", (codes + kLanes - 1) / kLanes, steps);
-    z.resize((M - tail) * codes);  // the codes: a product of its own, too small to share among threads
-    with_pair_product(PairProduct<float, float>{pairs + tail * steps, M - tail, K, steps,
-                                                reinterpret_cast<const uint32_t*>(lora_a->data_ptr<c10::BFloat16>()),
-                                                codes, nullptr, nullptr, nullptr, 0, M - tail, z.data()},
-                      [&](const auto& q) { rows_times_blocks(q, 0, (codes + kLanes - 1) / kLanes); });
-    if (gated) odd_codes = split_codes(z, M - tail, R);
+    const int64_t factors = gated ? 2 : 1;
+    check_codes(*lora_a, "packed_pair_linear", factors, R, K, /*bfloat16=*/true);
+    z = tail_pair_codes(x.data_ptr<c10::BFloat16>() + tail * K, M - tail, K, lora_a->data_ptr<c10::BFloat16>(), factors,
+                        R);
+    if (gated) odd_codes = (M - tail) * R;
     b = lora_b->data_ptr<c10::BFloat16>();
   }
   with_pair_product(PairProduct<c10::BFloat16, c10::BFloat16>{
                   pairs, M, K, steps, reinterpret_cast<const uint32_t*>(packed.data_ptr<c10::BFloat16>()), N,
-                  bias_data, z.empty() ? nullptr : z.data(), b, R, tail, y.data_ptr<c10::BFloat16>(), odd_codes},
+                  bias_data, z, b, R, tail, y.data_ptr<c10::BFloat16>(), odd_codes},
               [&](const auto& q) { run_product(q, blocks); });
   return y;
 }
@@ -948,7 +1171,7 @@ at::Tensor top_exact_linear(const at::Tensor& x, const at::Tensor& pairs, const 
 }
 
 // y = x @ wᵀ (+ bias) for bfloat16 x [M, K] and w packed by pack_column_pairs, rounded once to bfloat16; rows from
-// tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ, with lora_a [R, K] packed by pack_column_pairs and lora_b [N, R] by
+// tail_start on plus (x @ lora_aᵀ) @ lora_bᵀ, with lora_a [R, K] packed by pack_codes and lora_b [N, R] by
 // pack_columns (both bfloat16; the codes and the update in float32).
 at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& lora_a,
@@ -1007,9 +1230,10 @@ void gated_rows(const T* both, int64_t M, int64_t N, T* out) {
 // silu(x @ gateᵀ) * (x @ upᵀ) [M, N] for a gated MLP whose gate_proj and up_proj weights ([N, K] each, N a multiple
 // of 16, no bias) were packed together: their rows interleaved 16 at a time (gate's first 16, up's first 16, ...),
 // then packed by pack_columns (float32) or pack_column_pairs (bfloat16). One sweep over both; the LoRA tail as in
-// packed_row_linear / packed_pair_linear, with lora_a [2R, K] gate's R factor rows then up's, lora_b [2N, R] their
-// B rows interleaved as the weights', each block updated by its own factor's codes (finish_tile's z_odd). gate and
-// up get the bits of their own packed products.
+// packed_row_linear / packed_pair_linear, with lora_a gate's [R, K] factor and up's, each packed by pack_codes and
+// concatenated, and lora_b [2N, R] their B rows interleaved as the weights', each block updated by its own factor's
+// codes (finish_tile's z_odd). gate and up get the bits of their own packed products (with their factors at the
+// common rank R).
 // With draft_tail (float32 x and weights, the AVX-512 BF16 build), the rows from tail_start on are multiplied in
 // bfloat16 as packed_row_linear_bf16_tail multiplies them; the rows before keep their float32 bits.
 at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N,
@@ -1062,6 +1286,7 @@ at::Tensor packed_gated_linear_bf16_tail(const at::Tensor& x, const at::Tensor& 
 #define HF_TIDAR_PACKED_FRAGMENT(name, m) TORCH_LIBRARY_FRAGMENT(name, m)
 HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
   m.def("pack_columns(Tensor weight) -> Tensor", &pack_columns);
+  m.def("pack_codes(Tensor lora_a) -> Tensor", &pack_codes);
   m.def("packed_row_linear(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",
         &packed_row_linear);
