@@ -193,11 +193,12 @@ def packed_row_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torc
 
 
 def lora_codes_packer() -> Callable[..., torch.Tensor] | None:
-    """``pack_codes(lora_a [R, K]) -> [ceil(R / 16), ceil(K / S), 16]`` (``packed_rows.cpp``, float32, float16 or
-    bfloat16, its own dtype out): a LoRA factor in the layout the packed products take it. Up to 8 codes (a rank-4
-    factor, or a gated MLP's two) share one 16-lane vector, ``S = 16 / P`` consecutive inputs of each side by side
-    (``P``: the code count rounded up to a power of two; ``S = 1`` over 8 codes), so a low rank streams ``P / 16`` of
-    the bytes a weight's layout would; ``None`` unless an AVX-512 build runs here."""
+    """``pack_codes(lora_a [R, K]) -> [ceil(R / 16), ceil(K / S), 16]`` (``packed_rows.cpp``, float32 or float16, its
+    own dtype out; bfloat16 as pairs of inputs, ``[ceil(R / 16), ceil(K / 2S), 16, 2]``): a LoRA factor in the layout
+    the packed products take it. Up to 8 codes share one 16-lane vector, ``S = 16 / P`` consecutive inputs of each
+    side by side (``P``: the rank rounded up to a power of two; ``S = 1`` over 8), so a low rank streams ``P / 16`` of
+    the bytes a weight's layout would (a gated MLP's gate and up factors are packed each on its own, then
+    concatenated); ``None`` unless an AVX-512 build runs here."""
     return _operator("pack_codes", only_on=AVX512_ISAS)
 
 
@@ -218,9 +219,10 @@ def packed_pair_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., tor
 
     ``pack(w [N, K] bfloat16) -> [ceil(N / 16), ceil(K / 2), 16, 2]``; ``multiply(x [M, K], packed, N, bias | None,
     lora_a_packed | None, lora_b_packed | None, tail_start) -> [M, N]``, every tensor bfloat16, ``lora_a`` packed by
-    :func:`lora_codes_packer`'s operator and ``lora_b`` by ``pack_columns``; rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. Sums
-    in float32 (``vdpbf16ps``; on the ``amx_bf16`` build, where ``K`` is a multiple of 32, the tile unit's
-    ``tdpbf16ps``), one rounding to bfloat16 at the end: a row's result has the same bits whatever ``M``.
+    :func:`lora_codes_packer`'s operator and ``lora_b`` by ``pack_columns``; rows from ``tail_start`` on get
+    ``x @ lora_aᵀ @ lora_bᵀ`` added. Sums in float32 (``vdpbf16ps``; on the ``amx_bf16`` build, where ``K`` is a
+    multiple of 32, the tile unit's ``tdpbf16ps``), one rounding to bfloat16 at the end: a row's result has the same
+    bits whatever ``M``.
     """
     pack = _operator("pack_column_pairs", only_on=BF16_ISAS)
     if pack is None:

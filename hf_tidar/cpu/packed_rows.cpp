@@ -519,7 +519,7 @@ template <class A>
 const float* tail_codes(const float* x, int64_t T, int64_t K, const A* a, int64_t factors, int64_t R) {
   const int64_t group = code_group(R), steps = (K + group - 1) / group, width = steps * group;
   const int64_t blocks = (R + kLanes - 1) / kLanes;
-  prefetch_bytes(a, factors * blocks * steps * kLanes * int64_t(sizeof(A)));  // asked for while the rows are copied
+  prefetch_bytes(a, factors * blocks * steps * kLanes * int64_t(sizeof(A)));  // asked for before any copy of the rows
   const float* rows = x;
   if (width != K) {  // padded to whole groups: no broadcast reads past a row
     float* copy = scratch<0>(T * width);
