@@ -1,12 +1,13 @@
-"""Teacher-forced draft accuracy per slot on the held-out prompt sets, and slot 1 split by slot 0.
+"""Teacher-forced draft accuracy per slot on the held-out prompt sets (and its runner-up's), slot 1 split by slot 0.
 
     python benchmarks/slot_accuracy.py --adapter shipped --per-set 6
     python benchmarks/slot_accuracy.py --adapter runs/adapter-s5/export --per-set 6
 
 For each held-out prompt (`hf-tidar bench`'s code and chat sets), SmolLM2 writes its greedy continuation;
 the adapter's training forward over ``[x | MASK...]`` then drafts every continuation token from the clean
-tokens before its block, as in training. Printed: how often each slot's argmax is the greedy token, and slot
-1's rate split by whether slot 0 of the same block was right.
+tokens before its block, as in training. Printed: how often each slot's argmax is the greedy token, how often its
+second best is (what the runner-up branch of ``draft_source="both"`` drafts), and slot 1's rates split by whether
+slot 0 of the same block was right.
 
 Why the split: in a decode pass the next drafts come from the mask group that starts at the token the
 verifier commits, and after a rejection that token is the one the drafts got wrong. So decoding asks slot 1
@@ -26,14 +27,15 @@ from hf_tidar.checkpoints import load_smollm2
 from hf_tidar.training.gated_lora import load_tidar_adapter
 
 
-def slot_hits(model, sequence: torch.Tensor, prompt_len: int) -> dict[int, bool]:
-    """Position -> whether its draft (mask half of the training forward) is the greedy token, continuation only."""
+def slot_ranks(model, sequence: torch.Tensor, prompt_len: int) -> dict[int, int]:
+    """Position -> the greedy token's rank among its slot's two best (mask half of the training forward; 2: neither),
+    continuation only."""
     labels = sequence.clone()
     labels[:, :prompt_len] = -100
     with torch.no_grad():
         logits = model(input_ids=sequence, labels=labels).logits
-    drafts = logits[0, sequence.shape[1] :].argmax(-1)
-    return {i: bool(drafts[i] == sequence[0, i]) for i in range(prompt_len, sequence.shape[1])}
+    best_two = logits[0, sequence.shape[1] :].topk(2, dim=-1).indices
+    return {i: next((r for r in range(2) if best_two[i, r] == sequence[0, i]), 2) for i in range(prompt_len, sequence.shape[1])}
 
 
 def main() -> None:
@@ -55,21 +57,25 @@ def main() -> None:
     folder = SHIPPED_ADAPTER if args.adapter == "shipped" else args.adapter
     model = load_tidar_adapter(ar, folder, tokenizer=tokenizer).eval()
     block = model.get_base_model().config.block_size
-    right, total = [0] * block, [0] * block
-    after = {"slot 0 right": [0, 0], "slot 0 wrong": [0, 0]}
+    right, second, total = [0] * block, [0] * block, [0] * block
+    after = {"slot 0 right": [0, 0, 0], "slot 0 wrong": [0, 0, 0]}  # best right, second right, blocks
     for sequence, prompt_len in continuations:
-        hits = slot_hits(model, sequence, prompt_len)
-        for position, hit in hits.items():
-            right[position % block] += hit
+        ranks = slot_ranks(model, sequence, prompt_len)
+        for position, rank in ranks.items():
+            right[position % block] += rank == 0
+            second[position % block] += rank == 1
             total[position % block] += 1
-            if position % block == 1 and position - 1 in hits:
-                counts = after["slot 0 right" if hits[position - 1] else "slot 0 wrong"]
-                counts[0] += hit
-                counts[1] += 1
+            if position % block == 1 and position - 1 in ranks:
+                counts = after["slot 0 right" if ranks[position - 1] == 0 else "slot 0 wrong"]
+                counts[0] += rank == 0
+                counts[1] += rank == 1
+                counts[2] += 1
     print(f"adapter {args.adapter}, {len(prompts)} prompts, {sum(total)} continuation tokens")
     print("slot accuracy:", " / ".join(f"{r}: {right[r] / max(total[r], 1):.3f}" for r in range(block)))
-    for name, (hit, count) in after.items():
-        print(f"slot 1 when {name}: {hit / max(count, 1):.3f} ({count} blocks)")
+    print("its runner-up right:", " / ".join(f"{r}: {second[r] / max(total[r], 1):.3f}" for r in range(block)))
+    for name, (hit, runner_up, count) in after.items():
+        print(f"slot 1 when {name}: {hit / max(count, 1):.3f}, its runner-up {runner_up / max(count, 1):.3f} "
+              f"({count} blocks)")
 
 
 if __name__ == "__main__":

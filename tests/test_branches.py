@@ -10,7 +10,7 @@ from hf_tidar.generation import branch_decoder
 from hf_tidar.generation.auto_plan import AutoDraftPlan
 from hf_tidar.generation.branch_decoder import distinct_branches
 from hf_tidar.generation.draft_plan import BranchPlan
-from hf_tidar.generation.drafters import Drafts
+from hf_tidar.generation.drafters import RUNNER_UP, DiffusionDrafter, Drafts
 from hf_tidar.masks import (
     DecodeMaskBuffer,
     StepMaskTemplate,
@@ -221,3 +221,59 @@ def test_branches_are_cut_to_the_pass_rows_first_drafts_first():
     assert [b.tokens for b in within_rows(branches, 5)] == [[0, 1, 2, 3], [0, 5], [0, 9]]
     assert [b.tokens for b in within_rows(branches, 2)] == [[0, 1], [0, 5]]
     assert [b.tokens for b in within_rows(branches, 9)] == [b.tokens for b in branches]
+
+
+# -- the first slot's runner-up as a branch of its own ------------------------------------------------------------
+
+
+def _decoders(monkeypatch) -> list:
+    """Record every BranchingDecoder a generate call runs."""
+    decoders, run = [], branch_decoder.BranchingDecoder.run
+    monkeypatch.setattr(branch_decoder.BranchingDecoder, "run", lambda self, ids: (decoders.append(self), run(self, ids)))
+    return decoders
+
+
+@pytest.mark.parametrize("runner_up", [True, False])
+def test_the_runner_up_branch_commits_what_the_first_draft_missed(counting_model, monkeypatch, runner_up):
+    """Greedy drafts forced onto each slot's second choice are wrong on a counting model, whose slots' best tokens are
+    right: with the runner-up branch the other choice (the best) is verified beside them and followed, so passes
+    commit two tokens where they committed one; the output is AR's either way."""
+    monkeypatch.setattr(DiffusionDrafter, "greedy_drafts", lambda self, previous, best, second: list(second))
+    monkeypatch.setattr(branch_decoder.BranchingDecoder, "draft_runner_up", runner_up)
+    decoders = _decoders(monkeypatch)
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])  # no token repeats: no lookup proposal
+    settings = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        ar = counting_model.generate(prompt, **settings)
+        out = counting_model.generate(prompt, strategy="tidar", draft_length=3, draft_source="both",
+                                      return_dict_in_generate=True, **settings)
+    assert torch.equal(out.sequences, ar)
+    passes = int(out.forward_passes[0])
+    chooser = decoders[-1].chooser
+    if runner_up:
+        assert passes <= 7, passes  # two tokens a pass
+        assert chooser.accepted[RUNNER_UP] >= 4, (chooser.accepted, chooser.passes)
+    else:
+        assert passes >= 10, passes
+        assert chooser.passes[RUNNER_UP] == 0
+
+
+def test_the_runner_up_takes_a_spare_row_only_and_only_where_it_pays(counting_model, monkeypatch):
+    decoders = _decoders(monkeypatch)
+    with torch.no_grad():
+        counting_model.generate(torch.tensor([[3, 4, 5]]), strategy="tidar", draft_length=3, draft_source="both",
+                                max_new_tokens=2, do_sample=False, eos_token_id=None, pad_token_id=0)
+    decoder = decoders[-1]
+    row = decoder.rows[0]
+    room = decoder.max_rows - 1 - decoder.group_len
+    assert [b.tokens for b in decoder.next_block(row, 7, None, [8, 9], runner_up=11)] == [[7, 8, 9], [7, 11]]
+    assert decoder.next_block(row, 7, None, [8, 9], runner_up=11)[-1].source == RUNNER_UP
+    # a runner-up that is already a first draft, or no row to spare: nothing added
+    assert [b.tokens for b in decoder.next_block(row, 7, None, [11, 9], runner_up=11)] == [[7, 11, 9]]
+    full = list(range(20, 20 + room))
+    assert [b.tokens for b in decoder.next_block(row, 7, None, full, runner_up=11)] == [[7, *full]]
+    # a hit rate below a row's cost in tokens: not drafted (every pass counts, drafted or not)
+    for _ in range(50):
+        decoder.chooser.observe(RUNNER_UP, 0)
+    assert decoder.chooser.expected(RUNNER_UP) < decoder.row_cost
+    assert [b.tokens for b in decoder.next_block(row, 7, None, [8, 9], runner_up=11)] == [[7, 8, 9]]

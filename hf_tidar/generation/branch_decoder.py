@@ -11,7 +11,9 @@ prompts, in 37% of such passes. Here one pass verifies them all, as sibling bran
 2. The verifier's token after ``d_0`` picks the branch that starts with it (branches start with distinct
    tokens); that branch is verified as a chain, exactly as a one-branch pass would verify it.
 3. The accepted branch's KV moves right after ``d_0`` (:meth:`.DraftCache.move_recent`), then the usual crop.
-4. Next branches: the lookup proposals after the last token, and the mask slots past what was committed.
+4. Next branches: the lookup proposals after the last token, and the mask slots past what was committed; where
+   the pass has a row to spare, the first slot's runner-up as a one-draft branch of its own (see
+   :meth:`BranchingDecoder.next_block`).
 
 Greedy only: the branch choice is "which draft is the verifier's own token", which is exact for greedy
 verification; speculative sampling over several candidates needs another acceptance rule.
@@ -23,7 +25,7 @@ import torch
 
 from ..masks import DecodeMaskBuffer, StepMaskTemplate
 from .draft_plan import BranchPlan, DraftPlan
-from .drafters import Drafts, truncated
+from .drafters import RUNNER_UP, Drafts, truncated
 from .tidar_decoder import Choices, Row, TidarDecoder
 
 MAX_PASS_ROWS = 10
@@ -63,6 +65,10 @@ def distinct_branches(branches: list[Drafts]) -> list[Drafts]:
 class BranchingDecoder(TidarDecoder):
     """:class:`.tidar_decoder.TidarDecoder` whose passes verify every proposal at once (greedy only)."""
 
+    draft_runner_up: bool = True
+    """Draft the first diffusion slot's runner-up as a branch of its own where it pays (:meth:`next_block`). Set it to
+    ``False`` on the class to compare (benchmarks/runner_up_branch.py)."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.max_rows = MAX_PASS_ROWS
@@ -71,6 +77,7 @@ class BranchingDecoder(TidarDecoder):
         self.group_len = self.layout.draft_len  # one pre-draft group of k masks: k - 1 diffusion drafts
         self.templates: dict[BranchPlan, StepMaskTemplate] = {}
         self.projected: dict[BranchPlan, torch.Tensor] = {}
+        self.runner_ups: dict[int, int] = {}  # row -> the first slot's runner-up for its coming pass
 
     def price_rows_as_measured(self) -> None:
         """``draft_layout="auto"``: the pass's rows priced from the model's measured cost profile, not from
@@ -84,15 +91,31 @@ class BranchingDecoder(TidarDecoder):
         self.auto = self.chooser.pass_cost = None  # nothing is re-chosen: every source is verified in every pass
 
     def next_block(self, row: Row, first: int, slot_logits: torch.Tensor | None,
-                   slot_tokens: list[int] | None = None) -> list[Drafts]:
+                   slot_tokens: list[int] | None = None, runner_up: int | None = None) -> list[Drafts]:
         """The row's branches after ``d_0 = first``: its lookup proposals (context, then datastore, each cut to
-        the drafts that pay for their rows), then the diffusion slots' drafts; one branch per first draft."""
+        the drafts that pay for their rows), then the diffusion slots' drafts; one branch per first draft.
+
+        ``runner_up``: the first slot's other best-two token, drafted as a branch of one draft where the pass has a row
+        left over and its running hit rate pays for the row (:meth:`_runner_up_pays`). The first slot drafts the
+        token after the one the pass commits, which the masks did not see: on the 22 held-out prompts with the
+        shipped SmolLM2 adapter, teacher-forced, its best token is right 50% of the time and its runner-up a further
+        13% (after a wrong first slot, as after a rejection: 25% and 14%; benchmarks/slot_accuracy.py)."""
         branches = self._lookup_blocks(row, first)
         if slot_tokens:
             branches.append(Drafts([first, *slot_tokens], None))
         elif slot_tokens is None and slot_logits is not None and slot_logits.shape[0]:
             branches.append(self.diffusion.propose(row.index, row.sequence, first, slot_logits))
-        return within_rows(distinct_branches(branches), self.max_rows - 1 - self.group_len)
+        room = self.max_rows - 1 - self.group_len
+        kept = within_rows(distinct_branches(branches), room)
+        if runner_up is not None and sum(len(b.tokens) - 1 for b in kept) < room and self._runner_up_pays() \
+                and all(b.tokens[1] != runner_up for b in kept):
+            kept.append(Drafts([first, runner_up], None, RUNNER_UP))
+        return kept
+
+    def _runner_up_pays(self) -> bool:
+        """Whether the first slot's runner-up is expected to bring in at least a row's cost in tokens (its hit rate
+        in this decode, every pass counted whether it was drafted or not, from :data:`.drafters.PRIOR_ACCEPTED`)."""
+        return self.chooser.expected(RUNNER_UP) >= self.row_cost
 
     def step(self, active: list[int], blocks: list[list[Drafts]], state: DecodeMaskBuffer) -> list[list[Drafts] | None]:
         """One forward pass for the active rows; returns their next branches (``None`` for finished rows)."""
@@ -153,13 +176,18 @@ class BranchingDecoder(TidarDecoder):
         path = Choices(chosen.scores[rows], [chosen.tokens[r] for r in rows], [chosen.runners_up[r] for r in rows])
         count = self.verify(row, chain, logits[rows], None, path)
         row.accepted.append(count)
+        runner_up = self.runner_ups.pop(row.index, None)
         if not row.finished:  # a stop cuts a pass short: not a rejection
             for index, branch in enumerate(branches):
                 self._observe(branch, count - 1 if index == followed else 0)
+            if runner_up is not None:  # drafted or not, it was right if it is the verifier's token
+                self.chooser.observe(RUNNER_UP, int(chosen.tokens[0] == runner_up))
         return count, rows[:count]
 
     def _observe(self, branch: Drafts, accepted: int) -> None:
         """Record how a branch fared, for the lookup cuts (per source, and per match order of context lookups)."""
+        if branch.source == RUNNER_UP:  # counted in every pass, drafted or not (_verify_branches)
+            return
         self.chooser.observe(branch.source, accepted, branch.predicted)
         if branch.source == "prompt_lookup":
             self.orders.observe(branch.order, accepted, len(branch.tokens) - 1)
@@ -176,5 +204,16 @@ class BranchingDecoder(TidarDecoder):
         if row.finished:
             return None
         rows = plan.next_draft_rows(emitted)
-        slots = self.diffusion.greedy_drafts(row.last, chosen.tokens[rows], chosen.runners_up[rows])
-        return self.next_block(row, row.last, None, slots)
+        best, second = chosen.tokens[rows], chosen.runners_up[rows]
+        slots = self.diffusion.greedy_drafts(row.last, best, second)
+        runner_up = self._other_choice(slots, best, second)
+        if runner_up is not None:
+            self.runner_ups[row.index] = runner_up
+        return self.next_block(row, row.last, None, slots, runner_up)
+
+    def _other_choice(self, slots: list[int], best: list[int], second: list[int]) -> int | None:
+        """The first slot's best-two token that is not its draft (greedy drafts take the second where the best repeats
+        the token before), or ``None`` (no slot, one allowed token, or :attr:`draft_runner_up` off)."""
+        if not slots or not self.draft_runner_up or best[0] == second[0]:
+            return None
+        return second[0] if slots[0] == best[0] else best[0]

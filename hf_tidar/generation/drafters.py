@@ -94,7 +94,10 @@ class MatchOrderStats:
         self.rejected[order] = self.rejected.get(order, 0.0) + (accepted < proposed)
 
 
-PRIOR_ACCEPTED = {"diffusion": 0.5, "prompt_lookup": 1.0}
+RUNNER_UP = "runner_up"
+"""The source name of a branch that drafts the first diffusion slot's second-best token (``draft_source="both"``)."""
+
+PRIOR_ACCEPTED = {"diffusion": 0.5, "prompt_lookup": 1.0, RUNNER_UP: 0.1}
 """Drafts each source is assumed to get accepted per pass before any is seen (so that each gets tried)."""
 
 PRIOR_PASSES = 2.0
