@@ -95,7 +95,8 @@ class MatchOrderStats:
 
 
 RUNNER_UP = "runner_up"
-"""The source name of a branch that drafts the first diffusion slot's second-best token (``draft_source="both"``)."""
+"""The source name of a branch that drafts the first diffusion slot's other best-two token (``draft_source="both"``: the
+runner-up, or the best where the no-repeat rule drafted the runner-up)."""
 
 PRIOR_ACCEPTED = {"diffusion": 0.5, "prompt_lookup": 1.0, RUNNER_UP: 0.1}
 """Drafts each source is assumed to get accepted per pass before any is seen (so that each gets tried)."""
