@@ -19,7 +19,7 @@ from hf_tidar.cpu.kernel import (
     packed_pair_kernel,
     packed_row_kernel,
 )
-from hf_tidar.cpu.mlp import _pack_factors, _stacked_factors, disable_gated_mlps, interleave_blocks
+from hf_tidar.cpu.mlp import _packed_factors, disable_gated_mlps, interleave_blocks
 from hf_tidar.masks import tidar_training_layout
 from hf_tidar.tiny import TINY_BACKBONES
 from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
@@ -45,15 +45,14 @@ def _tolerance(dtype):  # silu is the library's, not torch's: a few float32 ulps
 def _gated_case(dtype, rows: int, n: int, k: int, gate_rank: int, up_rank: int, seed: int, pack, pack_b):
     """Random ``x`` [rows, k], gate and up weights [n, k] and their LoRA factors (both ranks 0, or neither; the
     smaller rank padded with zeros to the larger, as the operator takes them), the pair packed together, and the
-    stacked factors packed as the operator takes them (``(None, None)`` at rank 0)."""
+    factors packed as the operator takes them (``(None, None)`` at rank 0)."""
     g = torch.Generator().manual_seed(seed)
     gate, up, x = (torch.randn(*shape, generator=g).to(dtype) for shape in ((n, k), (n, k), (rows, k)))
     factors = [torch.randn(*shape, generator=g).to(dtype)
                for shape in ((gate_rank, k), (n, gate_rank), (up_rank, k), (n, up_rank))]
     lora = (None, None)
     if gate_rank:
-        stacked_a, stacked_b = _stacked_factors(*factors)
-        lora = _pack_factors((stacked_a, stacked_b), lora_codes_packer(), pack_b)
+        lora = _packed_factors(*factors, lora_codes_packer(), pack_b)
         rank = max(gate_rank, up_rank)  # each factor at the common rank: a rank's codes have their own summation
         factors = [torch.cat([a, a.new_zeros(rank - a.shape[0], k)]) if i % 2 == 0
                    else torch.cat([a, a.new_zeros(n, rank - a.shape[1])], dim=1) for i, a in enumerate(factors)]

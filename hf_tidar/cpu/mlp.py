@@ -21,6 +21,7 @@ inputs take transformers' forward.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -42,11 +43,13 @@ def interleave_blocks(first: torch.Tensor, second: torch.Tensor, block: int = 16
     return pairs.reshape(-1, *first.shape[1:])
 
 
-def _stacked_factors(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor,
-                     up_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two LoRA pairs as the operator takes them: ``A`` ``[2R, K]``, gate's rows then up's, and ``B`` ``[2N, R]``,
-    gate's and up's rows interleaved 16 at a time as the weights' (each block is updated by its own factor's codes);
-    a smaller rank is padded with zeros to the larger ``R``."""
+def _packed_factors(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Tensor, up_b: torch.Tensor,
+                    pack_lora_a: Callable[..., torch.Tensor],
+                    pack_lora_b: Callable[..., torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two LoRA pairs as the operator takes them, at the larger rank ``R`` (the smaller padded with zeros):
+    gate's ``A`` and up's each packed by ``pack_lora_a`` (so each factor's codes are the ones its own product
+    computes), concatenated; ``B`` ``[2N, R]``, gate's and up's rows interleaved 16 at a time as the weights' (each
+    block is updated by its own factor's codes), packed by ``pack_lora_b``."""
     rank = max(gate_a.shape[0], up_a.shape[0])
 
     def padded(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,7 +57,8 @@ def _stacked_factors(gate_a: torch.Tensor, gate_b: torch.Tensor, up_a: torch.Ten
         return torch.cat([a, a.new_zeros(extra, a.shape[1])]), torch.cat([b, b.new_zeros(b.shape[0], extra)], dim=1)
 
     (gate_a, gate_b), (up_a, up_b) = padded(gate_a, gate_b), padded(up_a, up_b)
-    return torch.cat([gate_a, up_a]), interleave_blocks(gate_b, up_b).contiguous()
+    packed_a = torch.cat([pack_lora_a(gate_a.contiguous()), pack_lora_a(up_a.contiguous())])
+    return packed_a, pack_lora_b(interleave_blocks(gate_b, up_b).contiguous())
 
 
 def _gated_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -134,19 +138,9 @@ def enable_gated_mlps(model: nn.Module) -> int:
         module.gated_draft_min_rows = gate.get("draft_min_rows", MAX_ROWS + 1)
         module.gated_weights = StackedCopy(lambda gate, up, pack=pack: pack(interleave_blocks(gate, up).contiguous()))
         module.gated_factors = StackedCopy(
-            lambda *factors, pack_a=pack_lora_a, pack_b=pack_lora_b: _pack_factors(_stacked_factors(*factors), pack_a,
-                                                                                   pack_b))
+            lambda *factors, pack_a=pack_lora_a, pack_b=pack_lora_b: _packed_factors(*factors, pack_a, pack_b))
         count += 1
     return count
-
-
-def _pack_factors(factors: tuple[torch.Tensor, torch.Tensor], pack_lora_a, pack_lora_b) -> tuple[torch.Tensor, torch.Tensor]:
-    """The stacked factors packed as the operator takes them: gate's and up's ``A`` each by ``pack_lora_a`` (so each
-    factor's codes are the ones its own product computes), concatenated; ``B`` by ``pack_lora_b``."""
-    lora_a, lora_b = factors
-    rank = lora_a.shape[0] // 2
-    packed_a = torch.cat([pack_lora_a(lora_a[:rank].contiguous()), pack_lora_a(lora_a[rank:].contiguous())])
-    return packed_a, pack_lora_b(lora_b.contiguous())
 
 
 def disable_gated_mlps(model: nn.Module) -> None:
