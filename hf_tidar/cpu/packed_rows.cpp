@@ -328,6 +328,17 @@ inline int64_t code_group(int64_t codes) {
   return kLanes / lanes;
 }
 
+// pack_codes' layout of a rank-R factor over `units` inputs (k, or pairs of k for bfloat16): `group` inputs of each
+// code side by side, `steps` vectors to a block of 16 codes, `blocks` blocks; rows are read `width` units wide.
+struct CodeLayout {
+  int64_t group, steps, width, blocks;
+};
+
+inline CodeLayout code_layout(int64_t R, int64_t units) {
+  const int64_t group = code_group(R), steps = (units + group - 1) / group;
+  return {group, steps, steps * group, (R + kLanes - 1) / kLanes};
+}
+
 template <class T>
 void pack_codes_into(const T* s, int64_t R, int64_t K, int64_t group, int64_t steps, T* d) {
   for (int64_t r = 0; r < R; ++r)
@@ -351,21 +362,23 @@ at::Tensor pack_codes(const at::Tensor& a) {
   TORCH_CHECK(a.dim() == 2 && a.device().is_cpu() && a.is_contiguous() &&
                   (dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16),
               "pack_codes: lora_a must be a contiguous [R, K] float32, float16 or bfloat16 CPU tensor");
-  const int64_t R = a.size(0), K = a.size(1), group = code_group(R), blocks = (R + kLanes - 1) / kLanes;
+  const int64_t R = a.size(0), K = a.size(1);
   if (dtype == at::kBFloat16) {
-    const int64_t pairs = (K + 1) / 2, steps = (pairs + group - 1) / group;
+    const int64_t pairs = (K + 1) / 2;
+    const CodeLayout c = code_layout(R, pairs);
     std::vector<uint32_t> rows(R * pairs);
     bfloat16_pairs_into(a.data_ptr<c10::BFloat16>(), R, K, pairs, rows.data());
-    at::Tensor packed = at::zeros({blocks, steps, kLanes, 2}, a.options());
-    pack_codes_into(rows.data(), R, pairs, group, steps, reinterpret_cast<uint32_t*>(packed.data_ptr<c10::BFloat16>()));
+    at::Tensor packed = at::zeros({c.blocks, c.steps, kLanes, 2}, a.options());
+    pack_codes_into(rows.data(), R, pairs, c.group, c.steps,
+                    reinterpret_cast<uint32_t*>(packed.data_ptr<c10::BFloat16>()));
     return packed;
   }
-  const int64_t steps = (K + group - 1) / group;
-  at::Tensor packed = at::zeros({blocks, steps, kLanes}, a.options());
+  const CodeLayout c = code_layout(R, K);
+  at::Tensor packed = at::zeros({c.blocks, c.steps, kLanes}, a.options());
   if (dtype == at::kFloat)
-    pack_codes_into(a.data_ptr<float>(), R, K, group, steps, packed.data_ptr<float>());
+    pack_codes_into(a.data_ptr<float>(), R, K, c.group, c.steps, packed.data_ptr<float>());
   else
-    pack_codes_into(a.data_ptr<c10::Half>(), R, K, group, steps, packed.data_ptr<c10::Half>());
+    pack_codes_into(a.data_ptr<c10::Half>(), R, K, c.group, c.steps, packed.data_ptr<c10::Half>());
   return packed;
 }
 
@@ -467,8 +480,8 @@ void code_rows(const X* x, int64_t T, int64_t ldx, const A* a, int64_t steps, in
 
 // lora_a: `factors` rank-R factors (2: a gated product's gate and up), each packed by pack_codes, one after the other.
 void check_codes(const at::Tensor& a, const char* op, int64_t factors, int64_t R, int64_t K, bool bfloat16) {
-  const int64_t blocks = (R + kLanes - 1) / kLanes, units = bfloat16 ? (K + 1) / 2 : K;
-  const int64_t steps = (units + code_group(R) - 1) / code_group(R);
+  const CodeLayout c = code_layout(R, bfloat16 ? (K + 1) / 2 : K);
+  const int64_t blocks = c.blocks, steps = c.steps;
   const auto dtype = a.scalar_type();
   TORCH_CHECK(a.device().is_cpu() && a.is_contiguous() && a.dim() == (bfloat16 ? 4 : 3) &&
                   a.size(0) == factors * blocks && a.size(1) == steps && a.size(2) == kLanes &&
@@ -517,19 +530,18 @@ const float* all_codes(const X* rows, int64_t T, int64_t width, const A* a, int6
 // R], each factor's codes as a product with it alone would give. A few KB of factor and a few thousand multiply-adds.
 template <class A>
 const float* tail_codes(const float* x, int64_t T, int64_t K, const A* a, int64_t factors, int64_t R) {
-  const int64_t group = code_group(R), steps = (K + group - 1) / group, width = steps * group;
-  const int64_t blocks = (R + kLanes - 1) / kLanes;
-  prefetch_bytes(a, factors * blocks * steps * kLanes * int64_t(sizeof(A)));  // asked for before any copy of the rows
+  const CodeLayout c = code_layout(R, K);
+  prefetch_bytes(a, factors * c.blocks * c.steps * kLanes * int64_t(sizeof(A)));  // asked for before any copy of the rows
   const float* rows = x;
-  if (width != K) {  // padded to whole groups: no broadcast reads past a row
-    float* copy = scratch<0>(T * width);
+  if (c.width != K) {  // padded to whole groups: no broadcast reads past a row
+    float* copy = scratch<0>(T * c.width);
     for (int64_t t = 0; t < T; ++t) {
-      std::copy(x + t * K, x + (t + 1) * K, copy + t * width);
-      std::fill(copy + t * width + K, copy + (t + 1) * width, 0.0f);
+      std::copy(x + t * K, x + (t + 1) * K, copy + t * c.width);
+      std::fill(copy + t * c.width + K, copy + (t + 1) * c.width, 0.0f);
     }
     rows = copy;
   }
-  return all_codes(rows, T, width, a, factors, R, steps);
+  return all_codes(rows, T, c.width, a, factors, R, c.steps);
 }
 
 // What both operators check and prepare: the bias, the tail's start and, with LoRA, the tail rows' codes z.
@@ -1032,16 +1044,16 @@ void check_pairs(const at::Tensor& t, const char* name, int64_t blocks, int64_t 
 // where they hold whole groups of them (copied, zero-padded, where not).
 const float* tail_pair_codes(const c10::BFloat16* x, int64_t T, int64_t K, const c10::BFloat16* a, int64_t factors,
                              int64_t R) {
-  const int64_t group = code_group(R), pairs = (K + 1) / 2, steps = (pairs + group - 1) / group, width = steps * group;
-  const int64_t blocks = (R + kLanes - 1) / kLanes;
-  prefetch_bytes(a, factors * blocks * steps * kLanes * int64_t(sizeof(uint32_t)));
+  const int64_t pairs = (K + 1) / 2;
+  const CodeLayout c = code_layout(R, pairs);
+  prefetch_bytes(a, factors * c.blocks * c.steps * kLanes * int64_t(sizeof(uint32_t)));
   const uint32_t* rows = reinterpret_cast<const uint32_t*>(x);
-  if (K % 2 || width != pairs) {
-    uint32_t* copy = scratch<0, uint32_t>(T * width);
-    bfloat16_pairs_into(x, T, K, width, copy);
+  if (K % 2 || c.width != pairs) {
+    uint32_t* copy = scratch<0, uint32_t>(T * c.width);
+    bfloat16_pairs_into(x, T, K, c.width, copy);
     rows = copy;
   }
-  return all_codes(rows, T, width, reinterpret_cast<const uint32_t*>(a), factors, R, steps);
+  return all_codes(rows, T, c.width, reinterpret_cast<const uint32_t*>(a), factors, R, c.steps);
 }
 
 // packed_pair_linear's product (below); gated: as prepare's (lora_a holds gate's and up's factors, lora_b alternates their blocks).
