@@ -29,7 +29,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tidar  # noqa: F401  (registers the cdlm model type)
-from hf_tidar.cdlm.arithmetic import extract_answer, split_for_run
+from hf_tidar.cdlm.arithmetic import is_right, split_for_run
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cdlm_arithmetic import evaluate  # noqa: E402  (the timed benchmark's decoding loop)
@@ -69,7 +69,7 @@ def answers_right(run: Path, model_name: str, decoder: str, problems: int, thres
         warnings.simplefilter("ignore")  # the dual cache warns that it is approximate: that is what is measured
         kwargs = {"threshold": threshold, **DECODERS[decoder]}  # vanilla's own threshold (None) wins
         decoded = evaluate(model, tokenizer, chosen, int(args["gen_len"]), **kwargs)
-    right = [extract_answer(text) == problem.answer for text, problem in zip(decoded["texts"], chosen, strict=True)]
+    right = [is_right(text, problem) for text, problem in zip(decoded["texts"], chosen, strict=True)]
     return {"right": right, "passes": decoded["passes"]}
 
 

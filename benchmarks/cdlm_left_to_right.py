@@ -25,7 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_tidar import CdlmForCausalLM
-from hf_tidar.cdlm.arithmetic import extract_answer, split_for_run
+from hf_tidar.cdlm.arithmetic import is_right, split_for_run
 
 
 @torch.no_grad()
@@ -98,7 +98,7 @@ def main() -> None:
         question = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
         tokens = left_to_right(teacher, question, int(run_args["gen_len"]), tokenizer.mask_token_id,
                                teacher.generation_config.eos_token_id)
-        right += extract_answer(tokenizer.decode(tokens, skip_special_tokens=True)) == problem.answer
+        right += is_right(tokenizer.decode(tokens, skip_special_tokens=True), problem)
         reference = tokenizer(problem.solution, add_special_tokens=False)["input_ids"]
         first_wrong.append(next((i for i, (a, b) in enumerate(zip(reference, tokens, strict=False)) if a != b), None))
         if args.teacher_forced:

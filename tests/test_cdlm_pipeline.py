@@ -202,14 +202,15 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     assert summary["args"]["ar_from"] == str(tmp_path / "ar" / "ar")
     teacher = CdlmForCausalLM.from_pretrained(tmp_path / "long" / "teacher")
     assert teacher.config.get_text_config().max_position_embeddings >= 29 + 512  # longest prompt + the length benchmark
-    # A warm start saved before the vocabulary gained "(" and ")" continues on the signed task, resized.
+    # A warm start saved before the vocabulary gained "(" and ")" (and the independent problems' three words)
+    # continues on the signed task, resized.
     from transformers import LlamaForCausalLM
 
     from hf_tidar.cdlm.arithmetic import task_tokenizer
 
     vocab = len(task_tokenizer())
     old = LlamaForCausalLM.from_pretrained(tmp_path / "ar" / "ar")
-    old.resize_token_embeddings(vocab - 2)
+    old.resize_token_embeddings(vocab - 5)
     old.save_pretrained(tmp_path / "old-ar")
     example.main(["--out", str(tmp_path / "signed"), *common, "--gen-len", "40", "--numbered", "--signed",
                   "--ar-from", str(tmp_path / "old-ar")])
@@ -227,6 +228,8 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     with pytest.raises(SystemExit):
         example.main(["--out", str(tmp_path / "bad"), *common, "--gen-len", "40", "--numbered", "--signed",
                       "--teacher-from", str(tmp_path / "signed" / "teacher"), "--block-size", "16"])
+    with pytest.raises(SystemExit):  # independent steps find their changes by number and sign
+        example.main(["--out", str(tmp_path / "bad"), *common, "--gen-len", "40", "--independent"])
 
 
 def test_left_to_right_diagnostic_is_vanilla_decoding_in_blocks_of_one(run):

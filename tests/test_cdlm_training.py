@@ -195,6 +195,43 @@ def test_task_tokenizer_covers_the_task_with_whole_words(tmp_path):
     assert tok.convert_ids_to_tokens(tok("17+8=25.", add_special_tokens=False)["input_ids"]) == ["17", "+", "8", "=", "25", "."]
 
 
+def test_independent_problems_apply_every_change_to_the_starting_amount_and_score_whole_solutions():
+    import re
+
+    from hf_tidar.cdlm.arithmetic import MAX_AMOUNT, is_right, split_for_run, task_tokenizer
+
+    tok = task_tokenizer()
+    args = {"train_problems": "100", "changes": "16", "numbered": "True", "signed": "True", "independent": "True"}
+    train, test = split_for_run(args, 30)
+    assert not {p.question for p in train} & {p.question for p in test}
+    for problem in train + test:
+        assert problem.independent
+        ids = tok(problem.question + problem.solution, add_special_tokens=False)["input_ids"]
+        assert tok.unk_token_id not in ids
+        assert len(tok(problem.solution, add_special_tokens=False)["input_ids"]) == 130  # 16 steps of 8, "#### n"
+        start = int(re.search(r"has (\d+)", problem.question).group(1))
+        asked = re.findall(r"(\d+): [A-Z][a-z]+ (?:buys|gets|finds|gives away|loses|sells) \d+ \(([+-]\d+)\)\.",
+                           problem.question)
+        steps = re.findall(r"(\d+): (\d+)([+-]\d+)=(\d+)\.", problem.solution)
+        assert [label for label, _ in asked] == [label for label, *_ in steps] == [str(i) for i in range(1, 17)]
+        for (_, change), (_, left, written, result) in zip(asked, steps, strict=True):
+            assert int(left) == start and written == change  # each step from the start, not the step before
+            assert int(result) == start + int(change) and 0 <= int(result) <= MAX_AMOUNT
+        assert extract_answer(problem.solution) == problem.answer == int(steps[-1][3])
+        # Decoded with the tokenizer's spaces, the solution is right; one wrong step, answer kept, is not.
+        decoded = tok.decode(tok(problem.solution, add_special_tokens=False)["input_ids"])
+        assert is_right(decoded, problem) and is_right(decoded + " 1 : 5", problem)
+        label, left, written, result = steps[0]
+        wrong = decoded.replace(f"= {result} .", f"= {int(result) + 1} .", 1)
+        assert extract_answer(wrong) == problem.answer and not is_right(wrong, problem)
+        assert not is_right(decoded.replace(f"#### {problem.answer}", f"#### {problem.answer}1"), problem)
+    # A chained problem is scored by its answer alone, as before.
+    chained = split(10, 1, changes=16, numbered=True, signed=True)[1][0]
+    assert is_right(f"#### {chained.answer}", chained) and not is_right(f"#### {chained.answer + 1}", chained)
+    with pytest.raises(ValueError, match="numbered=True and signed=True"):
+        generate_problems(0, 1, changes=4, numbered=True, independent=True)
+
+
 @pytest.mark.parametrize("numbered, signed", [(False, False), (True, False), (True, True)])
 def test_long_arithmetic_problems_have_checkable_solutions_of_at_least_128_tokens(numbered, signed):
     import re

@@ -20,6 +20,14 @@ A numbered model of 0.8M parameters trained as an AR model for 50 CPU minutes co
 amount from its change but wrote the sign at chance: it did not learn to read gain or loss from the verb.
 ``signed=True`` also writes each change's signed amount after it (``2: Ann loses 3 (-3).``), so a step
 copies sign and amount from one place; the question keeps its words, and the solution is unchanged.
+
+In all of these a step starts from the step before's result, so no decoder can write step ``i + 1``'s sum
+in the pass that writes step ``i``'s: about two passes a step, whatever the model. ``independent=True``
+(numbered and signed) applies every change to the starting amount alone (``2: 37-3=34.``, the question asks
+for each change on its own), so a block's steps can all be written in one pass: the regime of CDLM's paper,
+whose code and math answers are largely predictable in parallel. Its answer is the last step's result,
+which checks one step of many, so an independent problem is right only when its whole solution is
+(:func:`is_right`).
 """
 
 from __future__ import annotations
@@ -39,32 +47,42 @@ LONG_CHANGES = 24
 """Changes per problem of the long variant: 24 steps of ``a+n=b.`` (6 tokens each) plus ``#### b``."""
 LONG_NUMBERED_CHANGES = 18
 """Changes of the numbered long variant: 18 steps of ``i: a+n=b.`` (8 tokens each) plus ``#### b``."""
+WORDS = re.compile(r"####|\d+|[A-Za-z]+|[^\sA-Za-z\d]")
+"""How the task tokenizer splits text: ``12+3=15.`` is ``12``, ``+``, ``3``, ``=``, ``15``, ``.``."""
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
                   "mask_token": "[MASK]"}
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One word problem: ``question`` (the prompt), ``solution`` (steps and ``#### answer``), ``answer``."""
+    """One word problem: ``question`` (the prompt), ``solution`` (steps and ``#### answer``), ``answer``, and
+    whether its steps are ``independent`` (each from the starting amount)."""
 
     question: str
     solution: str
     answer: int
+    independent: bool = False
 
 
 def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: bool = False,
-                 signed: bool = False) -> Problem:
+                 signed: bool = False, independent: bool = False) -> Problem:
     """One random problem with ``changes`` gains or losses; every intermediate amount stays in 0..99.
 
     ``numbered``: change ``i`` is written ``i: Name loses n.`` in the question and its step ``i: a-n=b.``
     in the solution, so each step can look its change up by its number instead of counting sentences.
     ``signed``: each change also states its signed amount, ``Name loses n (-n).``; the solution is unchanged.
     The random draws do not depend on either option, so the same seed gives the same problems' numbers.
+    ``independent`` (with both): every change applies to the starting amount (10..90), not to the running one.
     """
     if not isinstance(changes, int) or changes < 1:
         raise ValueError(f"changes must be a positive integer, got {changes!r}.")
     if numbered and changes > MAX_AMOUNT:
         raise ValueError(f"numbered problems have at most {MAX_AMOUNT} changes, got {changes}.")
+    if independent and not (numbered and signed):
+        raise ValueError("independent problems label and sign every change (each step finds its own): pass "
+                         "numbered=True and signed=True too.")
+    if independent:
+        return _independent_problem(rng, changes)
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     amount = rng.randint(2, 30)
     sentences, steps = [f"{name} has {amount} {item}."], []
@@ -87,6 +105,25 @@ def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: boo
     return Problem(question, " " + " ".join(steps) + f" #### {amount}", amount)
 
 
+def _independent_problem(rng: random.Random, changes: int) -> Problem:
+    """:func:`make_problem`'s independent variant: change ``i`` applied to the starting amount alone."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    start = rng.randint(10, MAX_AMOUNT - 9)  # every result in 1..99
+    sentences, steps, result = [f"{name} has {start} {item}."], [], start
+    for index in range(1, changes + 1):
+        n = rng.randint(1, 9)
+        if rng.random() < 0.5:
+            sentences.append(f"{index}: {name} {rng.choice(LOSSES).format(n=n)} (-{n}).")
+            result = start - n
+            steps.append(f"{index}: {start}-{n}={result}.")
+        else:
+            sentences.append(f"{index}: {name} {rng.choice(GAINS).format(n=n)} (+{n}).")
+            result = start + n
+            steps.append(f"{index}: {start}+{n}={result}.")
+    question = " ".join(sentences) + f" How many {item} after each alone?\nA:"
+    return Problem(question, " " + " ".join(steps) + f" #### {result}", result, independent=True)
+
+
 def task_vocabulary() -> list[str]:
     """Every token the generator can write: the special tokens, numbers 0..99, words and symbols."""
     words = list(SPECIAL_TOKENS.values()) + [str(n) for n in range(MAX_AMOUNT + 1)]
@@ -94,6 +131,7 @@ def task_vocabulary() -> list[str]:
     for phrase in GAINS + LOSSES:
         words += [w for w in phrase.split() if w != "{n}"]
     words += ["(", ")"]  # signed amounts; last, so the ids of the earlier tokens did not change
+    words += ["after", "each", "alone"]  # independent problems' question
     return list(dict.fromkeys(words))
 
 
@@ -110,26 +148,27 @@ def task_tokenizer():
     vocab = {word: i for i, word in enumerate(task_vocabulary())}
     tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=SPECIAL_TOKENS["unk_token"]))
     # "12+3=15." -> 12 + 3 = 15 . ; "####" stays one token.
-    words = pre_tokenizers.Split(Regex(r"####|\d+|[A-Za-z]+|[^\sA-Za-z\d]"), behavior="isolated")
+    words = pre_tokenizers.Split(Regex(WORDS.pattern), behavior="isolated")
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), words])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, padding_side="left", **SPECIAL_TOKENS)
 
 
 def generate_problems(seed: int, count: int, changes: int = SHORT_CHANGES, numbered: bool = False,
-                      signed: bool = False) -> list[Problem]:
+                      signed: bool = False, independent: bool = False) -> list[Problem]:
     """``count`` problems from ``seed`` (the same seed always gives the same list)."""
     rng = random.Random(seed)
-    return [make_problem(rng, changes, numbered, signed) for _ in range(count)]
+    return [make_problem(rng, changes, numbered, signed, independent) for _ in range(count)]
 
 
 def split(train_count: int, test_count: int, train_seed: int = 0, test_seed: int = 1,
-          changes: int = SHORT_CHANGES, numbered: bool = False, signed: bool = False) -> tuple[list, list]:
+          changes: int = SHORT_CHANGES, numbered: bool = False, signed: bool = False,
+          independent: bool = False) -> tuple[list, list]:
     """Train and held-out test problems from different seeds, no test question occurring in train."""
-    train = generate_problems(train_seed, train_count, changes, numbered, signed)
+    train = generate_problems(train_seed, train_count, changes, numbered, signed, independent)
     seen = {p.question for p in train}
     rng, test = random.Random(test_seed), []
     while len(test) < test_count:
-        problem = make_problem(rng, changes, numbered, signed)
+        problem = make_problem(rng, changes, numbered, signed, independent)
         if problem.question not in seen:
             test.append(problem)
     return train, test
@@ -143,8 +182,28 @@ def extract_answer(text: str) -> int | None:
 
 def split_for_run(run_args: dict, test_count: int) -> tuple[list, list]:
     """The split a training run used, from its recorded arguments (``train_problems``, ``changes``,
-    ``numbered``, ``signed``; values may be strings, as ``examples/cdlm_arithmetic.py`` writes them to JSON)."""
+    ``numbered``, ``signed``, ``independent``; values may be strings, as ``examples/cdlm_arithmetic.py`` writes
+    them to JSON)."""
     changes = int(run_args.get("changes", SHORT_CHANGES))  # runs made before --changes had 2
-    numbered = str(run_args.get("numbered", False)) == "True"
-    signed = str(run_args.get("signed", False)) == "True"
-    return split(int(run_args["train_problems"]), test_count, changes=changes, numbered=numbered, signed=signed)
+    numbered, signed, independent = (str(run_args.get(flag, False)) == "True"
+                                     for flag in ("numbered", "signed", "independent"))
+    return split(int(run_args["train_problems"]), test_count, changes=changes, numbered=numbered, signed=signed,
+                 independent=independent)
+
+
+def is_right(text: str, problem: Problem) -> bool:
+    """Whether a generated ``text`` solves ``problem``: its ``#### N`` answer is the problem's, and for an
+    independent problem every step before it is the solution's too (compared token by token: the task
+    tokenizer decodes with spaces between tokens)."""
+    if not problem.independent:
+        return extract_answer(text) == problem.answer
+    written = _through_answer(text)
+    return written is not None and written == _through_answer(problem.solution)
+
+
+def _through_answer(text: str) -> list[str] | None:
+    """``text``'s words, numbers and symbols up to its first ``####`` and the token after it (``None`` without
+    one)."""
+    tokens = WORDS.findall(text)
+    end = tokens.index("####") if "####" in tokens else len(tokens)
+    return tokens[: end + 2] if end + 1 < len(tokens) else None
