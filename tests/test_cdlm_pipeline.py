@@ -217,6 +217,14 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     signed = CdlmForCausalLM.from_pretrained(tmp_path / "signed" / "teacher")
     assert signed.config.get_text_config().vocab_size == vocab
     assert json.loads((tmp_path / "signed" / "pipeline.json").read_text())["args"]["signed"] == "True"
+    # The independent variant end to end: warm start scored on whole solutions, teacher, trajectories, student.
+    from hf_tidar.cdlm.arithmetic import split_for_run
+
+    independent = example.main(["--out", str(tmp_path / "independent"), *common, "--gen-len", "40", "--numbered",
+                                "--signed", "--independent"])
+    assert independent["args"]["independent"] == "True" and 0 <= independent["ar_accuracy"] <= 1
+    assert all(p.independent for p in split_for_run(independent["args"], 3)[1])
+    assert (tmp_path / "independent" / "student" / "config.json").exists()
     # More diffusion training for a saved teacher: it starts from those weights, with no warm start.
     common[common.index("--ar-steps") + 1] = "0"
     again = example.main(["--out", str(tmp_path / "again"), *common, "--gen-len", "40", "--numbered", "--signed",
