@@ -107,9 +107,9 @@ class BranchingDecoder(TidarDecoder):
             branches.append(self.diffusion.propose(row.index, row.sequence, first, slot_logits))
         room = self.max_rows - 1 - self.group_len
         kept = within_rows(distinct_branches(branches), room)
-        if runner_up is not None and sum(len(b.tokens) - 1 for b in kept) < room and self._runner_up_pays() \
-                and all(b.tokens[1] != runner_up for b in kept):
-            kept.append(Drafts([first, runner_up], None, RUNNER_UP))
+        if runner_up is not None and sum(len(b.tokens) - 1 for b in kept) < room and self._runner_up_pays():
+            # Last, so that distinct_branches drops it, not another branch, where it is already a first draft.
+            kept = distinct_branches([*kept, Drafts([first, runner_up], None, RUNNER_UP)])
         return kept
 
     def _runner_up_pays(self) -> bool:
