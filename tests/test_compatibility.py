@@ -55,17 +55,31 @@ def test_the_mask_carrier_can_still_be_made():
     assert callable(torch.Tensor._make_subclass)
 
 
-def test_onednn_linear_ops_are_offered_only_when_present_and_compute_a_linear():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_onednn_linear_ops_are_offered_only_when_present_and_compute_a_linear(dtype):
     from hf_tidar.cpu import linear
 
     ops_present = all(hasattr(torch.ops.mkldnn, n) for n in ("_reorder_linear_weight", "_linear_pointwise"))
-    assert linear._onednn_available() == (torch.backends.mkldnn.is_available() and ops_present)
-    if not linear._onednn_available():
-        pytest.skip("this torch build has no oneDNN linear ops (the measured path then never offers them)")
-    weight, x = torch.randn(24, 16), torch.randn(3, 16)
+    # oneDNN refuses to pack bfloat16 on a CPU without AVX-512 or AVX-NE-CONVERT (AVX2 only): not offered there.
+    dtype_supported = dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    offered = torch.backends.mkldnn.is_available() and ops_present and dtype_supported
+    assert linear._onednn_available(dtype) == offered
+    assert ("onednn" in linear.methods_for(dtype)) == offered
+    if not offered:
+        pytest.skip(f"this CPU or torch build has no oneDNN {dtype} linear (the measured path then never offers it)")
+    weight, x = torch.randn(24, 16, dtype=dtype), torch.randn(3, 16, dtype=dtype)
     packed = torch.ops.mkldnn._reorder_linear_weight(weight, 16)
     out = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
     torch.testing.assert_close(out, torch.nn.functional.linear(x, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_every_method_offered_for_a_dtype_runs_on_this_cpu(dtype):
+    from hf_tidar.cpu import linear
+
+    timings = linear.profile_shape(32, 16, dtype, repeats=1, cold_bytes=0)
+    assert set(timings) == set(linear.methods_for(dtype))
+    assert all(seconds > 0 for per_rows in timings.values() for seconds in per_rows.values())
 
 
 def test_peft_keeps_its_config_registry_and_hf_tidar_registered_the_refusal():

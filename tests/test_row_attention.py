@@ -11,10 +11,12 @@ from toy import tiny_ar_model, train_counting_tidar
 from hf_tidar import TidarForCausalLM, cpu
 from hf_tidar.cpu import attention as row_attention
 from hf_tidar.cpu import linear as measured
-from hf_tidar.cpu.kernel import row_attention_kernel
+from hf_tidar.cpu.kernel import kernel_dtypes, row_attention_kernel
 
 kernel = row_attention_kernel()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU operator library needs an x86 CPU and a compiler")
+bf16_kernel = torch.bfloat16 in kernel_dtypes()
+needs_bf16_kernel = pytest.mark.skipif(not bf16_kernel, reason="bfloat16 rows on the kernel need its AVX-512 BF16 build")
 DTYPES = [torch.float32, torch.bfloat16]
 
 
@@ -127,6 +129,7 @@ def _generate_both(model, prompts, attention_mask=None, draft_length=3, new=28):
     return ar, tidar
 
 
+@needs_bf16_kernel
 def test_bf16_tidar_equals_ar_bit_for_bit_on_the_measured_path(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
     monkeypatch.setattr(measured, "COLD_BYTES", 1 << 16)
@@ -156,6 +159,19 @@ def test_bf16_tidar_equals_ar_bit_for_bit_on_the_measured_path(tmp_path, monkeyp
         assert model is random or accepted >= 10
 
 
+@pytest.mark.skipif(bf16_kernel, reason="this CPU multiplies bfloat16 on the kernel (tested above)")
+def test_without_the_bf16_kernel_bf16_passes_are_not_call_invariant_and_greedy_tidar_warns(tmp_path, monkeypatch):
+    # On a CPU without AVX-512 BF16 (AVX2 only) the measured path runs bfloat16 on torch's products, whose rounding
+    # depends on the row count: the path must not claim exactness, and generate must say so.
+    monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
+    monkeypatch.setattr(measured, "COLD_BYTES", 1 << 16)
+    model = cpu.enable(TidarForCausalLM.from_ar(tiny_ar_model("llama").float(), block_size=4).to(torch.bfloat16).eval())
+    assert not cpu.rows_are_call_invariant(model)
+    with pytest.warns(UserWarning, match="rounds differently"):
+        model.generate(torch.tensor([[1, 2, 3]]), strategy="tidar", max_new_tokens=2, do_sample=False)
+
+
+@needs_bf16_kernel
 def test_a_pass_longer_than_the_kernel_takes_is_warned_about(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_TIDAR_CACHE", str(tmp_path))
     model = TidarForCausalLM.from_ar(tiny_ar_model("llama").float(), block_size=8).to(torch.bfloat16).eval()

@@ -69,9 +69,16 @@ rows: SmolLM2's seven linear shapes once each, 30 times (a layer stack),
 2-core Zen 4 EPYC with AVX-512 BF16 (ms, the kernel against F.linear): 32 rows 22.0 against 29.7, 64 rows 41.8
 against 49.3, 100 rows 65.4 against 71.0, 128 rows 82.4 against 85.7, 160 rows 106.5 against 100.6."""
 
-def _onednn_available() -> bool:
+def _onednn_available(dtype: torch.dtype) -> bool:
     ops = ("_reorder_linear_weight", "_linear_pointwise")
-    return torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)
+    if not (torch.backends.mkldnn.is_available() and all(hasattr(torch.ops.mkldnn, op) for op in ops)):
+        return False
+    if dtype == torch.bfloat16:
+        # oneDNN packs bfloat16 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere (AVX2 only)
+        # packing raises, so the method is not offered.
+        supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+        return bool(supported()) if supported is not None else False
+    return dtype == torch.float32
 
 
 METHODS = ("linear", "w_xt", "onednn", "few_rows")
@@ -82,10 +89,11 @@ streams ``W`` once for all rows and gives each row the same result whatever the 
 
 
 def methods_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The methods that can run ``dtype`` here (oneDNN's packed linear takes float32 and bfloat16, the
-    few-row kernel float32, and bfloat16 on CPUs with AVX-512 BF16, where it builds)."""
+    """The methods that can run ``dtype`` here (oneDNN's packed linear takes float32, and bfloat16 on CPUs
+    whose oneDNN build multiplies it; the few-row kernel float32, and bfloat16 on CPUs with AVX-512 BF16, where
+    it builds)."""
     methods = ["linear", "w_xt"]
-    if dtype in (torch.float32, torch.bfloat16) and _onednn_available():
+    if _onednn_available(dtype):
         methods.append("onednn")
     if few_row_kernel(dtype) is not None:
         methods.append("few_rows")
