@@ -25,7 +25,7 @@ from hf_tidar.tiny import TINY_BACKBONES
 from hf_tidar.training.gated_lora import gated_lora_config, get_gated_lora_model, tidar_base_for_adapter
 
 kernel = gated_linear_kernel()
-pytestmark = pytest.mark.skipif(kernel is None, reason="the gated product needs an AVX-512 build of the CPU library")
+pytestmark = pytest.mark.skipif(kernel is None, reason="the gated product needs the CPU library (an x86 CPU with AVX2, FMA and F16C, and a compiler)")
 DTYPES = [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     packed_pair_kernel() is None, reason="bfloat16 products need the AVX-512 BF16 build"))]
 

@@ -1,4 +1,4 @@
-"""The float32 few-row product on column-packed weights (AVX-512 builds): the linear it stands for, a row's bits
+"""The float32 few-row product on column-packed weights (every build: AVX2 as two 8-lane halves of a block): the linear it stands for, a row's bits
 independent of the row count, the LoRA tail, re-packing after a weight change, and where it is (not) used."""
 
 import copy
@@ -22,7 +22,7 @@ from hf_tidar.cpu.kernel import (
 from hf_tidar.cpu.packed import ColumnPackedProduct
 from hf_tidar.generation.cost_profile import profile_key
 
-needs_packed = pytest.mark.skipif(packed_row_kernel() is None, reason="the packed product needs an AVX-512 build")
+needs_packed = pytest.mark.skipif(packed_row_kernel() is None, reason="the packed product needs the CPU library (an x86 CPU with AVX2, FMA and F16C, and a compiler)")
 pack_codes = lora_codes_packer()
 needs_pairs = pytest.mark.skipif(packed_pair_kernel() is None, reason="bfloat16 pairs need the AVX-512 BF16 build")
 
@@ -377,3 +377,28 @@ def test_the_amx_build_is_this_cpus_bfloat16_product_where_it_runs():
     on_tiles = amx.packed_pair_linear(x, packed, 64, None, None, None, 5)
     with_vdpbf16ps = other.packed_pair_linear(x, packed, 64, None, None, None, 5)
     torch.testing.assert_close(on_tiles.float(), with_vdpbf16ps.float(), rtol=2**-7, atol=1e-2)
+
+
+def test_every_build_this_cpu_runs_gives_the_float32_packed_product_the_same_bits():
+    """The AVX2 build holds a 16-column block in two 8-lane registers, in row tiles of at most 6 (the AVX-512 builds:
+    12) and with another prefetch: each lane's sum runs over the same terms in the same order, so every build this
+    CPU runs must give each row the same bits, LoRA tail included, at every row count."""
+    from hf_tidar.cpu.kernel import PACKED_ISAS, supported_isas
+
+    isas = [isa for isa in PACKED_ISAS if isa in supported_isas()]
+    if len(isas) < 2:
+        pytest.skip(f"this CPU runs one build of the packed product ({', '.join(isas) or 'none'}): nothing to compare")
+    generator = torch.Generator().manual_seed(7)
+    weight, bias = torch.randn(200, 72, generator=generator), torch.randn(200, generator=generator)
+    lora_a, lora_b = torch.randn(4, 72, generator=generator), 0.1 * torch.randn(200, 4, generator=generator)
+    x = torch.randn(30, 72, generator=generator)
+    outputs = {}
+    for isa in isas:
+        library = library_of(isa)
+        packed, factors = library.pack_columns(weight), (library.pack_codes(lora_a), library.pack_columns(lora_b))
+        outputs[isa] = [library.packed_row_linear(x[:rows], packed, 200, bias, *factors, rows // 2)
+                        for rows in (1, 5, 6, 7, 12, 13, 30)]
+    first, *others = isas
+    for isa in others:
+        for got, expected in zip(outputs[isa], outputs[first], strict=True):
+            assert torch.equal(got, expected), (isa, first, got.shape[0])

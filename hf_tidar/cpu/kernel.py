@@ -1,7 +1,7 @@
 """Build and load this package's CPU operators for this CPU: the few-row matmul (``few_rows.cpp``) and the
 row-invariant attention (``row_attention.cpp``), one library per instruction-set build.
 
-The kernel needs an x86 CPU with AVX2 and FMA (float32), or AVX-512 (float32 on twice the lanes) with
+The kernel needs an x86 CPU with AVX2, FMA and F16C (float32), or AVX-512 (float32 on twice the lanes) with
 BF16 (bfloat16 too), a C++ compiler and ninja (torch's extension builder). The widest build the CPU runs
 is compiled once per source, torch version and flags (about 20 s) into the hf_tidar cache and loaded
 from there afterwards. Where it cannot be built the measured linear path simply does without it (one
@@ -30,7 +30,7 @@ SOURCES = tuple(Path(__file__).with_name(name)
 """The operator library's sources: the few-row matmul, its column-packed variant, the row-invariant attention,
 each row's best two tokens, Llama's RMSNorm over a step's rows and the rotary position embedding."""
 
-HEADERS = (Path(__file__).with_name("vector_math.h"),)
+HEADERS = (Path(__file__).with_name("vector_math.h"), Path(__file__).with_name("lanes16.h"))
 """Headers the sources include (a build depends on them too)."""
 
 ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
@@ -42,7 +42,7 @@ ISA_FLAGS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
                     ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16")),
     "avx512": (frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl"}),
                ("-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl")),
-    "avx2": (frozenset({"avx2", "fma"}), ("-mavx2", "-mfma")),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
 }
 """The kernel's builds, widest first: AVX-512 with BF16 also multiplies bfloat16 (vdpbf16ps), and with AMX
 (Intel from Sapphire Rapids on) multiplies bfloat16 weights on the tile unit, where a pass of a few rows costs
@@ -51,8 +51,8 @@ little more than one row; the others float32 only."""
 BF16_ISAS = ("amx_bf16", "avx512_bf16")
 """The builds that multiply bfloat16."""
 
-AVX512_ISAS = ("amx_bf16", "avx512_bf16", "avx512")
-"""The AVX-512 builds (the column-packed products)."""
+PACKED_ISAS = ("amx_bf16", "avx512_bf16", "avx512", "avx2")
+"""The builds with the column-packed float32 products (every build: AVX2 takes a column block in two registers)."""
 
 REQUIRED_FLAGS = ISA_FLAGS["avx2"][0]
 """What the narrowest build needs."""
@@ -177,16 +177,16 @@ def kernel_takes_half_factors() -> bool:
 
 def packed_row_kernel() -> tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]] | None:
     """The float32 few-row matmul on column-packed weights (``packed_rows.cpp``), as ``(pack, multiply)``; ``None``
-    unless an AVX-512 build runs here.
+    where no build of the library runs here.
 
     ``pack(w [N, K]) -> [ceil(N / 16), K, 16]`` (float32 or float16 ``w``, float32 result);
     ``multiply(x [M, K], packed, N, bias | None, lora_a_packed | None, lora_b_packed | None, tail_start) -> [M, N]``,
     every tensor float32 (the factors float32 or float16, ``lora_a`` packed by :func:`lora_codes_packer`'s operator,
     ``lora_b`` by ``pack``); rows from ``tail_start`` on get ``x @ lora_aᵀ @ lora_bᵀ`` added. A row's result has the
-    same bits whatever ``M`` (not the same bits as :func:`few_row_kernel`'s).
+    same bits whatever ``M`` (not the same bits as :func:`few_row_kernel`'s), on every build.
     """
     isa = kernel_isa()
-    if _unavailable_reason(isa) is not None or isa not in AVX512_ISAS:
+    if _unavailable_reason(isa) is not None or isa not in PACKED_ISAS:
         return None
     library = built_library(isa)
     return None if library is None else (library.pack_columns, library.packed_row_linear)
@@ -198,8 +198,8 @@ def lora_codes_packer() -> Callable[..., torch.Tensor] | None:
     the packed products take it. Up to 8 codes share one 16-lane vector, ``S = 16 / P`` consecutive inputs of each
     side by side (``P``: the rank rounded up to a power of two; ``S = 1`` over 8), so a low rank streams ``P / 16`` of
     the bytes a weight's layout would (a gated MLP's gate and up factors are packed each on its own, then
-    concatenated); ``None`` unless an AVX-512 build runs here."""
-    return _operator("pack_codes", only_on=AVX512_ISAS)
+    concatenated); ``None`` where no build of the library runs here."""
+    return _operator("pack_codes", only_on=PACKED_ISAS)
 
 
 def packed_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:
@@ -237,9 +237,9 @@ def gated_linear_kernel() -> Callable[..., torch.Tensor] | None:
     interleaved 16 at a time, then packed as the packed product packs float32 or, on the AVX-512 BF16 build,
     bfloat16 weights); with LoRA, ``lora_a`` gate's ``[R, K]`` factor and up's, each packed by
     :func:`lora_codes_packer`'s operator, concatenated, and ``lora_b`` ``[2N, R]`` (their rows interleaved as the
-    weights') packed as the product packs ``lora_b``, each output block updated by its own factor; ``None`` unless an
-    AVX-512 build runs here."""
-    return _operator("packed_gated_linear", only_on=AVX512_ISAS)
+    weights') packed as the product packs ``lora_b``, each output block updated by its own factor; ``None`` where no
+    build of the library runs here."""
+    return _operator("packed_gated_linear", only_on=PACKED_ISAS)
 
 
 def gated_bf16_tail_kernel() -> Callable[..., torch.Tensor] | None:

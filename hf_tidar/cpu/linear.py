@@ -435,7 +435,7 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     projections of a Llama-style gated MLP are packed, they become one product with ``silu(gate) * up`` in the same
     operator (:mod:`hf_tidar.cpu.mlp`).
 
-    ``packed``: on the AVX-512 builds, float32 weights are multiplied from a copy packed by columns
+    ``packed``: float32 weights are multiplied from a copy packed by columns
     (:mod:`hf_tidar.cpu.packed`), and on the AVX-512 BF16 build bfloat16 weights from a copy packed by columns as
     pairs (``vdpbf16ps``), which makes one-row steps and many-row passes cheaper; the copy takes the weights'
     memory once more. By default (``None``) they are packed unless the environment sets ``HF_TIDAR_CPU_PACKED=0``

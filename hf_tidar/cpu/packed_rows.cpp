@@ -1,4 +1,5 @@
-// The few-row float32 matmul on weights packed by columns, for the AVX-512 builds (built with few_rows.cpp).
+// The few-row float32 matmul on weights packed by columns, for the AVX-512 builds and, on two 8-lane registers a
+// column block (lanes16.h), the AVX2 build (built with few_rows.cpp).
 //
 // few_rows.cpp keeps nn.Linear's [N, K] layout: a tile of 3 weight rows is one dot product per output, and a
 // 12-row pass goes over it in three row tiles. Its arithmetic and its memory traffic then hardly overlap: on a
@@ -28,7 +29,7 @@
 // packed_gated_linear is a gated MLP's first half, silu(x @ gateᵀ) * (x @ upᵀ), from one sweep over both weights
 // packed together (their column blocks interleaved), see gated_rows.
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -50,6 +51,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "lanes16.h"
 #include "vector_math.h"
 
 #ifndef HF_TIDAR_KERNEL_LIBRARY
@@ -58,8 +60,16 @@
 
 namespace {
 
-constexpr int kLanes = 16;  // float32 lanes of a 512-bit vector: the width of a packed column block
+using namespace hf_tidar_cpu;
+
+constexpr int kLanes = 16;  // float32 lanes of a 512-bit vector (two 256-bit ones): the width of a packed column block
+#ifdef __AVX512F__
 constexpr int kMaxTileRows = 12;
+#else
+// AVX2 has 16 vector registers, and a column block takes two: a row tile holds at most 6 rows' accumulators, and a
+// pass of more rows sweeps each block in several tiles (see chunk_blocks and ahead_of).
+constexpr int kMaxTileRows = 6;
+#endif
 // Each step of a tile reads one 64-byte line of every column block it sweeps; the line kPrefetchSteps steps
 // ahead is asked into L1 (prefetcht0) meanwhile. The hardware prefetchers alone left the streams short of the
 // multiply-adds: on a Zen 4 CPU, SmolLM2 layers 4-8% faster at 1-16 rows (8 lines ahead into L2; 4-24 lines and
@@ -69,8 +79,14 @@ constexpr int kMaxTileRows = 12;
 // the same, bfloat16 pairs the same or cheaper (benchmarks/packed_variants.py, the variants interleaved in one
 // process; 32-128 lines within a few percent of 64). Lines past a block's end are the next block's, or unmapped
 // (a prefetch never faults).
+// On a 2-core AMD EPYC with AVX2 only (Zen 3), into L2 (prefetcht1) rather than L1: four SmolLM2 layers at 8 / 12 / 20
+// rows 6% / 5% / 7% cheaper, 1 row 2% (benchmarks/packed_variants.py, 20 rounds).
 constexpr int64_t kPrefetchSteps = 64;
+#ifdef __AVX512F__
 constexpr auto kPrefetchHint = _MM_HINT_T0;
+#else
+constexpr auto kPrefetchHint = _MM_HINT_T1;
+#endif
 
 // w [N, K] as [ceil(N / 16), K, 16] of its own dtype (float32 or float16), zeros past N.
 template <class T>
@@ -102,18 +118,13 @@ at::Tensor pack_columns(const at::Tensor& w) {
   return packed;
 }
 
-// A step of a packed block: 16 float32 lanes, or 16 float16 lanes widened exactly (the LoRA factors).
-inline __m512 load_lanes(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_lanes(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-// A bfloat16 is a float32's top half: widened exactly by a shift (bfloat16 models' LoRA factors).
-inline __m512 load_lanes(const c10::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+// A step of a packed block: 16 float32 lanes, or 16 float16 lanes widened exactly (the LoRA factors), or 16 bfloat16
+// lanes widened exactly (bfloat16 models' LoRA factors).
+inline Lanes16 load_lanes(const float* p) { return lanes_load(p); }
+inline Lanes16 load_lanes(const c10::Half* p) { return lanes_load_half(p); }
+inline Lanes16 load_lanes(const c10::BFloat16* p) { return lanes_load_bfloat16(p); }
 
-inline void store_lanes(float* y, __mmask16 keep, __m512 v) { _mm512_mask_storeu_ps(y, keep, v); }
+inline void store_lanes(float* y, Keep16 keep, Lanes16 v) { lanes_store_kept(y, keep, v); }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 inline void store_lanes(c10::BFloat16* y, __mmask16 keep, __m512 v) {  // rounded to nearest even, as torch's casts
   const __m256bh half = _mm512_cvtneps_pbh(v);
@@ -127,31 +138,31 @@ inline void store_lanes(c10::BFloat16* y, __mmask16 keep, __m512 v) {  // rounde
 // product's two factors, see packed_gated_linear), the blocks alternate factors: block v takes z where
 // (parity + v) is even and z_odd where it is odd, each against its own lora_b rows.
 template <int MR, int NV, class B, class Y>
-inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const B* b, int first, const float* bias,
+inline void finish_tile(Lanes16 (&acc)[MR][NV], const float* z, int64_t R, const B* b, int first, const float* bias,
                         Y* y, int64_t ldy, int64_t valid, const float* z_odd = nullptr, int parity = 0) {
   if (z) {
     for (int64_t r = 0; r < R; ++r) {
-      __m512 bv[NV];
+      Lanes16 bv[NV];
       for (int v = 0; v < NV; ++v) bv[v] = load_lanes(b + v * R * kLanes + r * kLanes);
       for (int i = 0; i < MR; ++i) {
         if (i < first) continue;
-        const __m512 a = _mm512_set1_ps(z[(i - first) * R + r]);
+        const Lanes16 a = lanes_set1(z[(i - first) * R + r]);
         if (!z_odd) {
-          for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, bv[v], acc[i][v]);
+          for (int v = 0; v < NV; ++v) acc[i][v] = lanes_fmadd(a, bv[v], acc[i][v]);
           continue;
         }
-        const __m512 odd = _mm512_set1_ps(z_odd[(i - first) * R + r]);
-        for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps((parity + v) & 1 ? odd : a, bv[v], acc[i][v]);
+        const Lanes16 odd = lanes_set1(z_odd[(i - first) * R + r]);
+        for (int v = 0; v < NV; ++v) acc[i][v] = lanes_fmadd((parity + v) & 1 ? odd : a, bv[v], acc[i][v]);
       }
     }
   }
   for (int v = 0; v < NV; ++v) {
     const int64_t left = valid - v * kLanes;
     if (left <= 0) break;
-    const __mmask16 keep = left >= kLanes ? __mmask16(0xFFFF) : __mmask16((1u << left) - 1);
-    const __m512 bias_v = bias ? _mm512_maskz_loadu_ps(keep, bias + v * kLanes) : _mm512_setzero_ps();
+    const Keep16 keep = lanes_first(left);
+    const Lanes16 bias_v = bias ? lanes_load_kept(bias + v * kLanes, keep) : lanes_zero();
     for (int i = 0; i < MR; ++i)
-      store_lanes(y + i * ldy + v * kLanes, keep, bias ? _mm512_add_ps(acc[i][v], bias_v) : acc[i][v]);
+      store_lanes(y + i * ldy + v * kLanes, keep, bias ? lanes_add(acc[i][v], bias_v) : acc[i][v]);
   }
 }
 
@@ -159,31 +170,36 @@ inline void finish_tile(__m512 (&acc)[MR][NV], const float* z, int64_t R, const 
 // or float16 widened exactly: a LoRA factor's codes); rows from `first` on also get z (their codes, stride R) against
 // NV packed lora_b blocks (R x 16 each).
 template <int MR, int NV, class B, class W>
-inline void packed_tile(const float* x, int64_t ldx, int64_t K, const W* w, int64_t block, const float* z,
-                        int64_t R, const B* b, int first, const float* bias, float* y, int64_t ldy,
+inline void packed_tile(const float* x, int64_t ldx, int64_t K, const W* w, int64_t block, int64_t ahead,
+                        const float* z, int64_t R, const B* b, int first, const float* bias, float* y, int64_t ldy,
                         int64_t valid, const float* z_odd = nullptr, int parity = 0) {
-  __m512 acc[MR][NV];
+  Lanes16 acc[MR][NV];
   for (int i = 0; i < MR; ++i)
-    for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NV; ++v) acc[i][v] = lanes_zero();
   for (int64_t k = 0; k < K; ++k) {
-    __m512 wv[NV];
+    Lanes16 wv[NV];
     for (int v = 0; v < NV; ++v) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + v * block + (k + kPrefetchSteps) * kLanes), kPrefetchHint);
+      _mm_prefetch(reinterpret_cast<const char*>(w + v * block + k * kLanes + ahead), kPrefetchHint);
       wv[v] = load_lanes(w + v * block + k * kLanes);
     }
     for (int i = 0; i < MR; ++i) {  // constant trip counts keep every accumulator in a register
-      const __m512 a = _mm512_set1_ps(x[i * ldx + k]);
-      for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(a, wv[v], acc[i][v]);
+      const Lanes16 a = lanes_set1(x[i * ldx + k]);
+      for (int v = 0; v < NV; ++v) acc[i][v] = lanes_fmadd(a, wv[v], acc[i][v]);
     }
   }
   finish_tile<MR, NV>(acc, z, R, b, first, bias, y, ldy, valid, z_odd, parity);
 }
 
-// Column blocks per tile for a row tile of MR rows: as many as the 32 vector registers hold (MR x NV
-// accumulators, NV weight vectors and one broadcast), and at least 8 independent accumulators for one row.
+// Column blocks per tile for a row tile of MR rows: as many as the vector registers hold (MR x NV accumulators, NV
+// weight vectors and one broadcast; 32 registers a block on AVX-512, 16 registers two a block on AVX2), and at least 8
+// independent accumulators for one row.
 template <int MR>
 constexpr int columns_for() {
+#ifdef __AVX512F__
   return MR == 1 ? 8 : MR <= 3 ? 6 : MR <= 6 ? 4 : MR <= 8 ? 3 : 2;
+#else
+  return MR == 1 ? 4 : MR == 2 ? 2 : 1;
+#endif
 }
 
 // The same for pairs of bfloat16 (PairProduct), except that a 4-row tile takes 6 blocks (24 accumulators, 6 weight
@@ -192,6 +208,21 @@ constexpr int columns_for() {
 template <int MR>
 constexpr int pair_columns_for() {
   return MR == 4 ? 6 : columns_for<MR>();
+}
+
+// How far ahead of a tile's step its prefetch reads (elements): kPrefetchSteps steps. On AVX2, where a pass of more
+// rows than one tile holds sweeps each block in several tiles one block at a time, the tiles ask for the next blocks
+// (NV blocks on) at the step they are at instead: their arithmetic, from cache, then overlaps the next blocks' stream
+// from memory rather than waiting for it. Four SmolLM2 layers on a 2-core Zen 3 EPYC against chunks of 12 blocks
+// with the in-block prefetch (benchmarks/packed_variants.py, 20 rounds, µs): 8 rows 1053 -> 976, 12 rows 1109 -> 1084,
+// 20 rows 1608 -> 1571.
+inline int64_t ahead_of(int64_t M, int64_t K, int NV) {
+#ifdef __AVX512F__
+  (void)M, (void)K, (void)NV;
+  return kPrefetchSteps * kLanes;
+#else
+  return M > kMaxTileRows ? NV * K * kLanes : kPrefetchSteps * kLanes;
+#endif
 }
 
 template <class B, class W = float>
@@ -219,7 +250,8 @@ struct Product {
   template <int MR, int NV>
   void tile(int64_t m, int64_t blk, const float* codes, int first) const {
     const int64_t n = blk * kLanes;
-    packed_tile<MR, NV>(x + m * K, K, K, w + blk * K * kLanes, K * kLanes, codes, R, codes ? b + blk * R * kLanes : nullptr,
+    packed_tile<MR, NV>(x + m * K, K, K, w + blk * K * kLanes, K * kLanes, ahead_of(M, K, NV), codes, R,
+                        codes ? b + blk * R * kLanes : nullptr,
                         first, bias ? bias + n : nullptr, y + m * N + n, N, N - n,
                         codes && odd_codes ? codes + odd_codes : nullptr, int(blk & 1));
   }
@@ -243,33 +275,25 @@ void row_tile(const P& p, int64_t m, int64_t first_block, int64_t last_block) {
   }
 }
 
+// f(m, std::integral_constant<int, height>) for the height H or below that equals `height` (1 if none does).
+template <int H, class F>
+inline void with_height(int64_t height, int64_t m, F& f) {
+  if constexpr (H > 1) {
+    if (height != H) return with_height<H - 1>(height, m, f);
+  }
+  f(m, std::integral_constant<int, H>{});
+}
+
 // Calls f(m, std::integral_constant<int, height>) for row tiles [m, m + height) of near-equal height, at most
-// kMax (12, or 16 for the tile unit's products), covering rows [from, to): a tile's height must be a constant for
-// its accumulators to stay in registers.
+// kMax (kMaxTileRows, or 16 for the tile unit's products), covering rows [from, to): a tile's height must be a
+// constant for its accumulators to stay in registers.
 template <int kMax = kMaxTileRows, class F>
 void near_equal_tiles(int64_t from, int64_t to, F&& f) {
-  static_assert(kMax == 12 || kMax == 16);
+  static_assert(kMax >= 1 && kMax <= 16);
   const int64_t rows = to - from, tiles = (rows + kMax - 1) / kMax;
   for (int64_t t = 0, m = from; t < tiles; ++t) {
     const int64_t height = rows / tiles + (t < rows % tiles ? 1 : 0);
-    switch (height) {
-      case 16: if constexpr (kMax >= 16) f(m, std::integral_constant<int, 16>{}); break;
-      case 15: if constexpr (kMax >= 15) f(m, std::integral_constant<int, 15>{}); break;
-      case 14: if constexpr (kMax >= 14) f(m, std::integral_constant<int, 14>{}); break;
-      case 13: if constexpr (kMax >= 13) f(m, std::integral_constant<int, 13>{}); break;
-      case 12: f(m, std::integral_constant<int, 12>{}); break;
-      case 11: f(m, std::integral_constant<int, 11>{}); break;
-      case 10: f(m, std::integral_constant<int, 10>{}); break;
-      case 9: f(m, std::integral_constant<int, 9>{}); break;
-      case 8: f(m, std::integral_constant<int, 8>{}); break;
-      case 7: f(m, std::integral_constant<int, 7>{}); break;
-      case 6: f(m, std::integral_constant<int, 6>{}); break;
-      case 5: f(m, std::integral_constant<int, 5>{}); break;
-      case 4: f(m, std::integral_constant<int, 4>{}); break;
-      case 3: f(m, std::integral_constant<int, 3>{}); break;
-      case 2: f(m, std::integral_constant<int, 2>{}); break;
-      default: f(m, std::integral_constant<int, 1>{}); break;
-    }
+    with_height<kMax>(height, m, f);
     m += height;
   }
 }
@@ -279,7 +303,16 @@ void near_equal_tiles(int64_t from, int64_t to, F&& f) {
 // for the later tiles (12 blocks of K <= 1024 take at most 768 KB) rather than from memory once per tile. Four
 // SmolLM2 layers, cold weights, 2-core Zen 4 EPYC (benchmarks/packed_variants.py, µs a layer, each tile sweeping
 // all blocks -> chunks): 13 rows 687 -> 649, 20 rows 918 -> 887, 32 rows 1337 -> 1284, 100 rows 3770 -> 3630.
-inline int64_t chunk_blocks(int64_t K) { return K <= 1024 ? 12 : 6; }
+// On AVX2 a pass of more than 6 rows sweeps every block in two or more row tiles, one block at a time (the later
+// tiles read it from cache); see ahead_of.
+inline int64_t chunk_blocks(int64_t K) {
+#ifdef __AVX512F__
+  return K <= 1024 ? 12 : 6;
+#else
+  (void)K;
+  return 1;
+#endif
+}
 
 // All rows of `p` against column blocks [b0, b1).
 template <class P>
@@ -382,33 +415,15 @@ at::Tensor pack_codes(const at::Tensor& a) {
   return packed;
 }
 
-// S consecutive floats at x repeated across 16 lanes (lane j: x[j % S]); loads only, no shuffle port.
-template <int S>
-inline __m512 broadcast_group(const float* x) {
-  if constexpr (S == 1) {
-    return _mm512_set1_ps(*x);
-  } else if constexpr (S == 2) {
-    double pair;
-    std::memcpy(&pair, x, sizeof pair);
-    return _mm512_castpd_ps(_mm512_set1_pd(pair));
-  } else if constexpr (S == 4) {
-    return _mm512_broadcast_f32x4(_mm_loadu_ps(x));
-  } else if constexpr (S == 8) {
-    return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(x))));
-  } else {
-    return _mm512_loadu_ps(x);
-  }
-}
-
 // One step of a codes tile: the factor's vector, then a row's S inputs broadcast and multiply-added into acc. Float32
 // rows (a float32 or float16 factor), or bfloat16 rows and factor as pairs of k (pack_codes' bfloat16 layout), where
 // vdpbf16ps adds both products of a pair to each lane (exact products, float32 sums): two k a lane and instruction,
 // read straight from the bfloat16 rows.
 template <class A>
-inline __m512 factor_step(const A* a) { return load_lanes(a); }
+inline Lanes16 factor_step(const A* a) { return load_lanes(a); }
 template <int S>
-inline __m512 multiply_add(__m512 acc, const float* x, __m512 av) {
-  return _mm512_fmadd_ps(broadcast_group<S>(x), av, acc);
+inline Lanes16 multiply_add(Lanes16 acc, const float* x, Lanes16 av) {
+  return lanes_fmadd(lanes_repeat<S>(x), av, acc);
 }
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 inline __m512i factor_step(const uint32_t* a) { return _mm512_loadu_si512(a); }
@@ -436,8 +451,8 @@ inline __m512 multiply_add(__m512 acc, const uint32_t* x, __m512i av) {
 // Each row sums even and odd steps apart (two chains of dependent multiply-adds, so that up to 4 rows keep 8 in flight).
 template <int S, int MR, class X, class A>
 void code_tile(const X* x, int64_t ldx, const A* a, int64_t steps, int64_t count, float* z, int64_t ldz) {
-  __m512 even[MR], odd[MR];
-  for (int i = 0; i < MR; ++i) even[i] = odd[i] = _mm512_setzero_ps();
+  Lanes16 even[MR], odd[MR];
+  for (int i = 0; i < MR; ++i) even[i] = odd[i] = lanes_zero();
   int64_t t = 0;
   for (; t + 1 < steps; t += 2) {
     const auto av = factor_step(a + t * kLanes), next = factor_step(a + (t + 1) * kLanes);
@@ -452,7 +467,7 @@ void code_tile(const X* x, int64_t ldx, const A* a, int64_t steps, int64_t count
   }
   for (int i = 0; i < MR; ++i) {
     alignas(64) float lanes[kLanes];
-    _mm512_store_ps(lanes, _mm512_add_ps(even[i], odd[i]));
+    lanes_store(lanes, lanes_add(even[i], odd[i]));
     for (int64_t c = 0; c < count; ++c) {
       float sum = lanes[c * S];
       for (int s = 1; s < S; ++s) sum += lanes[c * S + s];
@@ -1192,17 +1207,7 @@ at::Tensor packed_pair_linear(const at::Tensor& x, const at::Tensor& packed, int
 }
 #endif  // bfloat16
 
-// silu(x) = x / (1 + e^-|x|) (times e^-|x| above for x < 0) on 16 lanes, e^-|x| by exp16_nonpositive (vector_math.h):
-// every element takes the same operations, whatever the row count.
-inline __m512 silu16(__m512 x) {
-  const __m512 t = _mm512_castsi512_ps(  // -|x| (the sign bit set; integer arithmetic: no AVX-512 DQ needed)
-      _mm512_or_si512(_mm512_castps_si512(x), _mm512_set1_epi32(int32_t(0x80000000u))));
-  const __m512 e = hf_tidar_cpu::exp16_nonpositive(t);
-  const __mmask16 negative = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 numerator = _mm512_mask_mul_ps(x, negative, x, e);  // x, or x * e where x < 0
-  return _mm512_div_ps(numerator, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-}
-
+#ifdef __AVX512F__
 // 16 float32 lanes rounded to bfloat16 as torch's conversion rounds (nearest even, NaN to 0x7FC0, subnormals kept:
 // vcvtneps2bf16, which store_lanes uses for the products, flushes them) and widened back, in integer arithmetic that
 // every AVX-512 build has; stored as bfloat16 by store_torch_rounded.
@@ -1214,13 +1219,14 @@ inline __m512 rounded_lanes(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_mask_mov_ps(_mm512_castsi512_ps(top), nan, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
 }
-inline void store_torch_rounded(__m512 v, float* p) { _mm512_storeu_ps(p, v); }
 inline void store_torch_rounded(__m512 v, c10::BFloat16* p) {
   const __m256i halves = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded_lanes(v)), 16));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
 }
-inline __m512 as_dtype(__m512 v, const float*) { return v; }
 inline __m512 as_dtype(__m512 v, const c10::BFloat16*) { return rounded_lanes(v); }
+#endif
+inline void store_torch_rounded(Lanes16 v, float* p) { lanes_store(p, v); }
+inline Lanes16 as_dtype(Lanes16 v, const float*) { return v; }
 
 // out[m, n] = silu(gate) * up for the product `both` [M, 2N] whose 16-column blocks alternate gate (even) and up (odd),
 // float32 or bfloat16 bits: transformers' act_fn(gate_proj(x)) * up_proj(x) with its roundings (silu rounded to the
@@ -1233,8 +1239,8 @@ void gated_rows(const T* both, int64_t M, int64_t N, T* out) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t m = i / blocks, blk = i % blocks;
       const T* gate = both + m * 2 * N + 2 * blk * kLanes;
-      const __m512 silu = as_dtype(silu16(load_lanes(gate)), gate);
-      store_torch_rounded(_mm512_mul_ps(silu, load_lanes(gate + kLanes)), out + m * N + blk * kLanes);
+      const Lanes16 silu = as_dtype(lanes_silu(load_lanes(gate)), gate);
+      store_torch_rounded(lanes_mul(silu, load_lanes(gate + kLanes)), out + m * N + blk * kLanes);
     }
   });
 }
@@ -1270,10 +1276,13 @@ at::Tensor gated_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N
 #endif
   }
   at::Tensor out = at::empty({both.size(0), N}, x.options());
-  if (x.scalar_type() == at::kFloat)
-    gated_rows(both.data_ptr<float>(), both.size(0), N, out.data_ptr<float>());
-  else
+#ifdef HF_TIDAR_PACKED_BF16
+  if (x.scalar_type() != at::kFloat) {
     gated_rows(both.data_ptr<c10::BFloat16>(), both.size(0), N, out.data_ptr<c10::BFloat16>());
+    return out;
+  }
+#endif
+  gated_rows(both.data_ptr<float>(), both.size(0), N, out.data_ptr<float>());
   return out;
 }
 
@@ -1324,4 +1333,4 @@ HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
 #endif
 }
 
-#endif  // __AVX512F__
+#endif  // AVX-512, or AVX2 with FMA and F16C
