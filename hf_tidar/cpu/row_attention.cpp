@@ -28,6 +28,7 @@
 #include <optional>
 #include <vector>
 
+#include "lanes16.h"
 #include "vector_math.h"
 
 #ifndef HF_TIDAR_KERNEL_LIBRARY
@@ -62,6 +63,10 @@ inline Floats16 load16(const c10::BFloat16* p) {
   std::memcpy(&v, &w, sizeof(v));
   return v;
 }
+// 16 keys' or values' elements on lanes16.h's registers (bfloat16 widened exactly).
+inline hf_tidar_cpu::Lanes16 lanes_of(const float* p) { return hf_tidar_cpu::lanes_load(p); }
+inline hf_tidar_cpu::Lanes16 lanes_of(const c10::BFloat16* p) { return hf_tidar_cpu::lanes_load_bfloat16(p); }
+
 // a * b + c, rounded once, spelled out: left to the compiler, whether `c + a * b` becomes one fused
 // instruction (and which product of `x * y + z * w` it fuses) depends on the surrounding code, and a score
 // must get the same bits wherever it is computed.
@@ -138,11 +143,26 @@ inline Floats16 sum16_each(const Floats16 (&v)[16]) {
 // and its key.
 template <int V, class T>
 inline Floats16 score_chunk(const Floats16 (&qv)[V], const T* const (&rows)[16], float scale) {
+#ifdef __AVX512F__
   Floats16 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = qv[0] * load16(rows[j]);
   for (int c = 1; c < V; ++c)
     for (int j = 0; j < 16; ++j) acc[j] = fma16(qv[c], load16(rows[j] + 16 * c), acc[j]);
   return sum16_each(acc) * scale;
+#else
+  // AVX2 has 16 registers, two a Floats16, and GCC lowers this type's operations there through memory: one key at a
+  // time on lanes16.h's registers, each summed as sum16 sums (sum16_each's very additions).
+  using namespace hf_tidar_cpu;
+  Lanes16 q[V];
+  for (int c = 0; c < V; ++c) q[c] = lanes_load(reinterpret_cast<const float*>(&qv[c]));
+  alignas(64) float sums[16];
+  for (int j = 0; j < 16; ++j) {
+    Lanes16 acc = lanes_mul(q[0], lanes_of(rows[j]));
+    for (int c = 1; c < V; ++c) acc = lanes_fmadd(q[c], lanes_of(rows[j] + 16 * c), acc);
+    sums[j] = lanes_sum(acc);
+  }
+  return load16(sums) * scale;
+#endif
 }
 
 // out[i] = q · (key seen[i]) * scale for i < n, 16 keys at a time (score_chunk; the last few keys' batch padded with
@@ -206,30 +226,38 @@ bool shared_scores(const float* q, int64_t q_stride, int64_t queries, const T* k
 // w_stride; a head of a query row each) whose sums are at acc + r * 16V (from zero where `fresh`): each value row is
 // loaded once for all R, and every sum takes the same instructions as alone, so a range of keys can be continued
 // later with the same bits. V = dim / 16; R * V accumulators kept in registers.
+// On lanes16.h's registers (one AVX-512 register, two AVX2 ones): GCC lowered Floats16's operations through memory on
+// AVX2 (a 12-row pass's attention 6x sdpa's time on a Zen 3 CPU).
 template <int V, int R, class T>
 void weighted_values_fixed(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
                            int64_t from, int64_t n, bool fresh, float* acc) {
-  Floats16 sum[R][V];
+  using namespace hf_tidar_cpu;
+  Lanes16 sum[R][V];
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < V; ++c) sum[r][c] = fresh ? Floats16{} : load16(acc + r * 16 * V + 16 * c);
+    for (int c = 0; c < V; ++c) sum[r][c] = fresh ? lanes_zero() : lanes_load(acc + r * 16 * V + 16 * c);
   for (int64_t i = from; i < n; ++i) {
     const T* row = values + seen[i] * stride;
-    Floats16 value[V];
-    for (int c = 0; c < V; ++c) value[c] = load16(row + 16 * c);
+    Lanes16 value[V];
+    for (int c = 0; c < V; ++c) value[c] = lanes_of(row + 16 * c);
     for (int r = 0; r < R; ++r) {
-      const Floats16 weight = Floats16{} + w[r * w_stride + i];
-      for (int c = 0; c < V; ++c) sum[r][c] = fma16(weight, value[c], sum[r][c]);
+      const Lanes16 weight = lanes_set1(0.0f + w[r * w_stride + i]);  // as Floats16{} + w: -0 becomes +0
+      for (int c = 0; c < V; ++c) sum[r][c] = lanes_fmadd(weight, value[c], sum[r][c]);
     }
   }
-  for (int r = 0; r < R; ++r) std::memcpy(acc + r * 16 * V, sum[r], sizeof(sum[r]));
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < V; ++c) lanes_store(acc + r * 16 * V + 16 * c, sum[r][c]);
 }
 
-// Weight rows a few at a time, their sums, the value row and a weight within the 32 registers: 6 for dims 32 and 64
-// (at dim 64: 24 sums, 4 value vectors, a weight), 2 for dim 128 (16 sums, 8 value vectors).
+// Weight rows a few at a time, their sums, the value row and a weight within the registers: on AVX-512 (32) 6 for
+// dims 32 and 64 (at dim 64: 24 sums, 4 value vectors, a weight), 2 for dim 128 (16 sums, 8 value vectors).
 template <int V, class T>
 void weighted_values_rows(const float* w, int64_t w_stride, const T* values, int64_t stride, const int64_t* seen,
                           int64_t from, int64_t n, bool fresh, int64_t rows, float* acc) {
+#ifdef __AVX512F__
   constexpr int most = V >= 8 ? 2 : 24 / V < 6 ? 24 / V : 6;
+#else
+  constexpr int most = V <= 2 ? 2 : 1;  // AVX2: 16 registers, two a Floats16 (dim 64: 8 for the sums, 8 for a value)
+#endif
   for (int64_t r = 0; r < rows; r += most) {
     const float* wr = w + r * w_stride;
     float* ar = acc + r * 16 * V;
