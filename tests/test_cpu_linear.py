@@ -1,6 +1,7 @@
 """The measured CPU linear path: same products as F.linear by every method, and the plan it picks."""
 
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -285,3 +286,38 @@ def test_unpacked_bfloat16_prefills_take_the_kernel_up_to_its_row_limit(monkeypa
     model.float()
     cpu.enable(model, packed=False)  # float32 on the unpacked kernel keeps the plans' limit
     assert model.model.layers[0].mlp.down_proj.exact_rows == measured.MAX_ROWS
+
+
+def _timings_where_rows_cost(ratio: float):
+    """profile_shape stand-in: every method's 12 rows ``ratio`` times its one row (a CPU's measurements, made up)."""
+    def profile(out_features, in_features, dtype, *args, **kwargs):
+        return {method: {rows: 1e-4 * (ratio if rows == 12 else 1.0) for rows in measured.ROW_GRID}
+                for method in measured.methods_for(dtype)}
+    return profile
+
+
+@pytest.mark.parametrize("ratio,warned", [(10.6, True), (1.6, False)])
+def test_enable_advises_float32_where_this_cpu_measured_bfloat16_rows_ruinous(ratio, warned, monkeypatch):
+    monkeypatch.setattr(measured, "profile_shape", _timings_where_rows_cost(ratio))
+    model = tiny_ar_model(vocab_size=40).to(torch.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu.enable(model, remeasure=True)  # measured even where the kernel multiplies bfloat16
+    advice = [str(w.message) for w in caught if "Run the model in float32" in str(w.message)]
+    assert len(advice) == (1 if warned else 0)
+    if warned:
+        assert f"measured {ratio:.1f}x a one-row one" in advice[0]
+
+
+def test_no_bfloat16_advice_for_a_float32_model(monkeypatch):
+    monkeypatch.setattr(measured, "profile_shape", _timings_where_rows_cost(10.6))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cpu.enable(tiny_ar_model(vocab_size=40).float(), remeasure=True)
+    assert not [w for w in caught if "Run the model in float32" in str(w.message)]
+
+
+def test_many_rows_cost_reads_the_fastest_method_at_each_row_count():
+    timings = {"linear": {1: 2.0, 12: 30.0}, "w_xt": {1: 3.0, 12: 12.0}, "onednn": {1: 4.0}}
+    assert measured.many_rows_cost(timings) == 12.0 / 2.0
+    assert measured.many_rows_cost({"linear": {1: 2.0}}) is None

@@ -223,6 +223,12 @@ def _profile_path(out_features: int, in_features: int, dtype: torch.dtype):
 
 def choices_for(out_features: int, in_features: int, dtype: torch.dtype, remeasure: bool = False) -> list[Choice]:
     """The measured plan for one weight shape on this machine (profiled once, then read from disk)."""
+    return best_choices(measured_timings(out_features, in_features, dtype, remeasure))
+
+
+def measured_timings(out_features: int, in_features: int, dtype: torch.dtype,
+                     remeasure: bool = False) -> dict[str, dict[int, float]]:
+    """:func:`profile_shape`'s timings for one weight shape on this machine (profiled once, then read from disk)."""
     path = _profile_path(out_features, in_features, dtype)
     if path.exists() and not remeasure:
         timings = {method: {int(rows): t for rows, t in per_rows.items()}
@@ -238,7 +244,40 @@ def choices_for(out_features: int, in_features: int, dtype: torch.dtype, remeasu
         partial = path.with_suffix(".partial")
         partial.write_text(json.dumps(record))
         partial.replace(path)
-    return best_choices(timings)
+    return timings
+
+
+def many_rows_cost(timings: dict[str, dict[int, float]], rows: int = 12) -> float | None:
+    """How many times a one-row product ``rows`` rows cost, each by its fastest measured method (``None`` where either
+    was not timed)."""
+    def best(count: int) -> float | None:
+        seconds = [per_rows[count] for per_rows in timings.values() if count in per_rows]
+        return min(seconds) if seconds else None
+
+    many, one = best(rows), best(1)
+    return many / one if many is not None and one else None
+
+
+BFLOAT16_ROWS_WARNING = 3.0
+""":func:`enable` warns on a bfloat16 model whose largest linear this machine measured at least this many times dearer at
+12 rows (a TiDAR pass's) than at one (an AR step's): on a CPU without native bfloat16 products (AVX2 only; a 2-core
+Zen 3 measured 10.6x for SmolLM2's MLP, where the float32 kernel's 12 rows cost 1.6x one), TiDAR's passes then cost
+several AR steps."""
+
+
+def _advise_on_bfloat16(measured: set[tuple]) -> None:
+    """Warn where this machine's measurements make bfloat16 many-row products ruinous (see :data:`BFLOAT16_ROWS_WARNING`)."""
+    shapes = [key for key in measured if key[2] == torch.bfloat16]
+    if not shapes:
+        return
+    out_features, in_features, dtype = max(shapes, key=lambda key: key[0] * key[1])
+    ratio = many_rows_cost(measured_timings(out_features, in_features, dtype))
+    if ratio is not None and ratio >= BFLOAT16_ROWS_WARNING:
+        warnings.warn(f"hf_tidar.cpu.enable: on this CPU a bfloat16 product of 12 rows measured {ratio:.1f}x a one-row "
+                      f"one ({out_features}x{in_features} weight; this package's kernel multiplies bfloat16 only with "
+                      "AVX-512 BF16), so TiDAR's many-row passes cost several AR steps in bfloat16 here. Run the model "
+                      "in float32 on this CPU: the kernel's products are cheaper there, and greedy TiDAR is exact.",
+                      stacklevel=3)
 
 
 # -- the module -----------------------------------------------------------------------------------
@@ -413,7 +452,9 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
 
     Where this package's few-row kernel multiplies the weights' dtype, it takes every row count up to
     :data:`MAX_ROWS`; other dtypes (and CPUs where it does not build) get the fastest method this machine
-    measured per shape and row count (profiled on first use, cached). Results equal ``F.linear``'s up to
+    measured per shape and row count (profiled on first use, cached). Where those measurements make a bfloat16
+    model's many-row products ruinous (a CPU without native bfloat16), a warning advises float32
+    (:data:`BFLOAT16_ROWS_WARNING`). Results equal ``F.linear``'s up to
     rounding order (another kernel), so compare strategies with it enabled on every model alike.
 
     With ``attention`` (default), a model on transformers' default ``sdpa`` attention also switches to the
@@ -449,6 +490,7 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     the same tokens, half the head's bytes. Elsewhere the head is unchanged; where it cannot run a warning says so.
     """
     plans: dict[tuple, list[Choice]] = {}
+    measured: set[tuple] = set()
     dtypes = set()
     for module in model.modules():
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
@@ -458,6 +500,8 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
         if key not in plans:
             exact = few_row_kernel(key[2]) is not None and not remeasure
             plans[key] = exact_choices() if exact else choices_for(*key, remeasure=remeasure)
+            if not exact:
+                measured.add(key)
         # A linear class with its own forward (the lean adapter's) calls linear_forward itself.
         if not isinstance(module, MeasuredLinear) and not getattr(type(module), "uses_linear_forward", False):
             module.__class__ = MeasuredLinear
@@ -466,6 +510,7 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
         module.plan_dtype = key[2]
         _give_half_factors(module)
         module._packed = PackedCopy(pack_for_onednn)
+    _advise_on_bfloat16(measured)
     if attention and dtypes:
         _use_row_attention(model, dtypes)
     if draft_dtype is not None:
