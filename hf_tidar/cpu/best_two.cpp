@@ -19,7 +19,7 @@
 #include <limits>
 #include <tuple>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -37,6 +37,12 @@ float range_max(const float* x, int64_t n) {
   __m512 acc = _mm512_set1_ps(best);
   for (; i + 16 <= n; i += 16) acc = _mm512_max_ps(acc, _mm512_loadu_ps(x + i));
   best = _mm512_reduce_max_ps(acc);
+#elif defined(__AVX2__)  // 8 lanes (torch's own argmax ran at 50 µs a 49152-score row on a 2-core Zen 3)
+  __m256 acc = _mm256_set1_ps(best);
+  for (; i + 8 <= n; i += 8) acc = _mm256_max_ps(acc, _mm256_loadu_ps(x + i));
+  __m128 half = _mm_max_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+  best = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
 #endif
   for (; i < n; ++i) best = x[i] > best ? x[i] : best;
   return best;
@@ -49,6 +55,12 @@ int64_t first_equal(const float* x, int64_t n, float v) {
   const __m512 target = _mm512_set1_ps(v);
   for (; i + 16 <= n; i += 16) {
     const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+#elif defined(__AVX2__)
+  const __m256 target = _mm256_set1_ps(v);
+  for (; i + 8 <= n; i += 8) {
+    const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), target, _CMP_EQ_OQ));
     if (hit) return i + __builtin_ctz(hit);
   }
 #endif
@@ -64,6 +76,12 @@ int64_t first_nan(const float* x, int64_t n) {
   for (; i + 16 <= n; i += 16) {
     const __m512 v = _mm512_loadu_ps(x + i);
     const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (nan) return i + __builtin_ctz(nan);
+  }
+#elif defined(__AVX2__)
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    const int nan = _mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     if (nan) return i + __builtin_ctz(nan);
   }
 #endif
