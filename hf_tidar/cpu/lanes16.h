@@ -37,14 +37,6 @@ inline Keep16 lanes_first(int64_t n) { return n >= 16 ? Keep16(0xFFFF) : Keep16(
 inline Lanes16 lanes_load_kept(const float* p, Keep16 keep) { return _mm512_maskz_loadu_ps(keep, p); }
 inline void lanes_store_kept(float* p, Keep16 keep, Lanes16 v) { _mm512_mask_storeu_ps(p, keep, v); }
 
-// The sum of the 16 lanes by halves: a_i = v_i + v_(i+8), b_i = a_i + a_(i+4), then (b_0 + b_2) + (b_1 + b_3).
-inline float lanes_sum(Lanes16 v) {
-  const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));  // (b_0 + b_2, b_1 + b_3, ...)
-  return _mm_cvtss_f32(_mm_add_ss(c, _mm_movehdup_ps(c)));
-}
-
 // S consecutive floats at x repeated across the lanes (lane j: x[j % S]); loads only, no shuffle port.
 template <int S>
 inline Lanes16 lanes_repeat(const float* x) {
@@ -117,7 +109,9 @@ inline void lanes_store_kept(float* p, Keep16 keep, Lanes16 v) {
   _mm256_maskstore_ps(p + 8, keep.hi, v.hi);
 }
 
-inline float lanes_sum(Lanes16 v) {  // as the AVX-512 build's: by halves
+// The sum of the 16 lanes by halves, as row_attention.cpp's sum16 adds them: a_i = v_i + v_(i+8), b_i = a_i + a_(i+4),
+// then (b_0 + b_2) + (b_1 + b_3). (The AVX-512 build sums 16 keys' lanes at once there, sum16_each.)
+inline float lanes_sum(Lanes16 v) {
   const __m256 a = _mm256_add_ps(v.lo, v.hi);
   const __m128 b = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 c = _mm_add_ps(b, _mm_movehl_ps(b, b));

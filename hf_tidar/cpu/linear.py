@@ -265,13 +265,15 @@ Zen 3 measured 10.6x for SmolLM2's MLP, where the float32 kernel's 12 rows cost 
 several AR steps."""
 
 
-def _advise_on_bfloat16(measured: set[tuple]) -> None:
-    """Warn where this machine's measurements make bfloat16 many-row products ruinous (see :data:`BFLOAT16_ROWS_WARNING`)."""
+def _advise_on_bfloat16(measured: dict[tuple, dict[str, dict[int, float]]]) -> None:
+    """Warn where this machine's measurements (timings by shape key) make bfloat16 many-row products ruinous (see
+    :data:`BFLOAT16_ROWS_WARNING`)."""
     shapes = [key for key in measured if key[2] == torch.bfloat16]
     if not shapes:
         return
-    out_features, in_features, dtype = max(shapes, key=lambda key: key[0] * key[1])
-    ratio = many_rows_cost(measured_timings(out_features, in_features, dtype))
+    largest = max(shapes, key=lambda key: key[0] * key[1])
+    out_features, in_features, _ = largest
+    ratio = many_rows_cost(measured[largest])
     if ratio is not None and ratio >= BFLOAT16_ROWS_WARNING:
         warnings.warn(f"hf_tidar.cpu.enable: on this CPU a bfloat16 product of 12 rows measured {ratio:.1f}x a one-row "
                       f"one ({out_features}x{in_features} weight; this package's kernel multiplies bfloat16 only with "
@@ -490,7 +492,7 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     the same tokens, half the head's bytes. Elsewhere the head is unchanged; where it cannot run a warning says so.
     """
     plans: dict[tuple, list[Choice]] = {}
-    measured: set[tuple] = set()
+    measured: dict[tuple, dict[str, dict[int, float]]] = {}  # the timings of the shapes whose plan was measured
     dtypes = set()
     for module in model.modules():
         if not isinstance(module, nn.Linear) or module.weight.device.type != "cpu":
@@ -498,10 +500,11 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
         key = (module.out_features, module.in_features, module.weight.dtype)
         dtypes.add(key[2])
         if key not in plans:
-            exact = few_row_kernel(key[2]) is not None and not remeasure
-            plans[key] = exact_choices() if exact else choices_for(*key, remeasure=remeasure)
-            if not exact:
-                measured.add(key)
+            if few_row_kernel(key[2]) is not None and not remeasure:
+                plans[key] = exact_choices()
+            else:
+                measured[key] = measured_timings(*key, remeasure=remeasure)
+                plans[key] = best_choices(measured[key])
         # A linear class with its own forward (the lean adapter's) calls linear_forward itself.
         if not isinstance(module, MeasuredLinear) and not getattr(type(module), "uses_linear_forward", False):
             module.__class__ = MeasuredLinear
