@@ -17,7 +17,7 @@ from transformers import TextStreamer
 from . import cpu
 from .assets import SHIPPED_ADAPTER
 from .checkpoints import load_smollm2
-from .cpu.kernel import top_exact_kernel
+from .cpu.top_exact_head import half_size_head
 from .modeling import TidarForCausalLM
 from .prompt_encoding import prompt_input_ids
 
@@ -85,7 +85,7 @@ def run_demo(
     TiDAR model is the same weights plus the shipped gated adapter in its lean inference form. With
     ``cpu_linears`` TiDAR runs on the measured CPU linear path (:mod:`hf_tidar.cpu`), and AR on that
     path is timed too, so the table shows both comparisons; in float32 both then compute their LM head top-exact
-    (:mod:`hf_tidar.cpu.top_exact_head`: the same tokens from half the head's bytes) where the CPU has AVX-512 BF16.
+    (:mod:`hf_tidar.cpu.top_exact_head`: the same tokens from half the head's bytes).
     Everything is warmed up once before timing.
 
     In ``dtype`` bfloat16 both models run in bf16. Greedy TiDAR is then compared with AR on the same path
@@ -106,7 +106,7 @@ def run_demo(
         same_path_ar = None
         if cpu_linears:
             # float32 greedy decoding reads only argmaxes: the head's top exact, the rest from half the bytes
-            head = dtype == torch.float32 and top_exact_kernel() is not None
+            head = dtype == torch.float32 and half_size_head() is not None
             same_path_ar = cpu.enable(copy.deepcopy(ar_model), top_exact_head=head)
             cpu.enable(model, top_exact_head=head)
         first_kind, first_prompt = prompts[0]

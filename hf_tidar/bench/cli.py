@@ -73,8 +73,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
                         help="with --cpu-linears and float32: bfloat16 also runs every TiDAR row on a copy of the model "
                         "whose [MASK] rows (drafts) multiply in bfloat16 (AVX-512 BF16 CPUs), rows suffixed -bf16-drafts")
     parser.add_argument("--top-exact-head", action="store_true",
-                        help="with --cpu-linears and float32: every model on the path computes its LM head in bfloat16 "
-                        "with each row's top recomputed exactly in greedy calls (the same tokens, half the head's bytes)")
+                        help="with --cpu-linears and float32: every model on the path computes its LM head from a half-size copy "
+                        "(bfloat16 on AVX-512 BF16, float16 elsewhere) with each row's top recomputed exactly in greedy calls (the same tokens, half the head's bytes)")
     parser.add_argument("--first-group-layouts", action="store_true",
                         help="also run each draft length with pre-draft group 1 only (2k query tokens, not k(k+1))")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

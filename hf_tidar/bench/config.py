@@ -44,7 +44,7 @@ class BenchConfig:
     # per lookup source: the model's own datastore ("adapter"), "none", or a datastore file
     datastores: list[str] = field(default_factory=lambda: ["adapter"])
     draft_dtypes: list[str] = field(default_factory=lambda: ["float32"])  # bfloat16: [MASK] rows in bf16 (CPU)
-    top_exact_head: bool = False  # the LM head in bfloat16 with each row's top exact, on every model on the path
+    top_exact_head: bool = False  # the LM head from a half-size copy with each row's top exact, every model on the path
 
     def validate(self) -> None:
         """Raise a ``ValueError`` that says what to change."""

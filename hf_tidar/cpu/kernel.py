@@ -258,6 +258,14 @@ def top_exact_kernel() -> Callable[..., torch.Tensor] | None:
     return _operator("top_exact_linear", only_on=BF16_ISAS)
 
 
+def top_exact_half_kernel() -> Callable[..., torch.Tensor] | None:
+    """``top_exact_linear_half(x [M, K], packed, weight [N, K], norms [N], watched) -> [M, N]`` (``packed_rows.cpp``):
+    :func:`top_exact_kernel`'s logits from a float16 copy of ``weight`` packed by :func:`packed_row_kernel`'s ``pack``
+    (``packed``; the weight's magnitudes must stay below 65504), summed in float32; on every build of the packed
+    products (AVX2 with F16C and up). ``None`` where none runs here."""
+    return _operator("top_exact_linear_half", only_on=PACKED_ISAS)
+
+
 def row_attention_kernel(dtype: torch.dtype = torch.float32) -> Callable[..., torch.Tensor] | None:
     """The row-invariant attention operator (``row_attention.cpp``) for ``dtype`` (float32 or bfloat16, on
     every build), built on first use; ``None`` where the library cannot run here.

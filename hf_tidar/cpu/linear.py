@@ -486,9 +486,10 @@ def enable(model: nn.Module, remeasure: bool = False, attention: bool = True,
     so); ``True`` packs regardless, ``False`` never. With bfloat16 drafts, the packed product's own bfloat16-tail
     variant multiplies the draft rows (clean rows keep the packed product's bits).
 
-    ``top_exact_head`` (a float32 model, AVX-512 BF16): in ``generate()`` calls that read only each row's largest
+    ``top_exact_head`` (a float32 model): in ``generate()`` calls that read only each row's largest
     logit (greedy, no scores, no processors but TiDAR's ``[MASK]`` suppression), the LM head is computed from a
-    bfloat16 copy with every logit that could be its row's largest recomputed exactly (:mod:`hf_tidar.cpu.top_exact_head`):
+    copy of half the bytes (bfloat16 on AVX-512 BF16, float16 elsewhere) with every logit that could be its row's
+    largest recomputed exactly (:mod:`hf_tidar.cpu.top_exact_head`):
     the same tokens, half the head's bytes. Elsewhere the head is unchanged; where it cannot run a warning says so.
     """
     plans: dict[tuple, list[Choice]] = {}

@@ -636,6 +636,89 @@ at::Tensor packed_row_linear(const at::Tensor& x, const at::Tensor& packed, int6
   return float32_rows(x, packed, N, prepare("packed_row_linear", x, packed, N, bias, lora_a, lora_b, tail_start), lora_b);
 }
 
+// Logits whose top is exact (an LM head in greedy decoding: only each row's largest logit is read). y holds a row's
+// logits computed from a cheaper copy of the weight, each within eps_v = relative * |x|_2 * |w_v|_2 + per_l1 *
+// |x|_1 + floor of the float32 product (norms: |w_v|_2 rounded up, given; the caller derives the three terms from
+// its copy's roundings). An output whose upper bound y_v + eps_v lies below the largest lower bound y_u - eps_u of
+// the row cannot be its largest; every other one (the candidates, usually 1-10 of SmolLM2's 49152) is recomputed as
+// packed_row_linear computes it (one fused multiply-add per k, in order of k, from zero: the same bits), and so are
+// the `watched` outputs, which the lower bound does not count (a processor that removes them, as TiDAR's [MASK]
+// suppression does, leaves the row's largest among the exact values). The other outputs keep their cheaper values,
+// each certified below the row's exact largest.
+void certify_top(const float* x, int64_t K, const float* weight, const float* norms, int64_t N,
+                 const std::vector<int64_t>& watched, float* y, double relative, double per_l1, float floor) {
+  double squares = 0, magnitudes = 0;
+  for (int64_t k = 0; k < K; ++k) squares += double(x[k]) * x[k], magnitudes += std::abs(double(x[k]));
+  // 1.001: room for the roundings of this bound's own float arithmetic.
+  const float scale = float(1.001 * relative * std::sqrt(squares));
+  const float flushed = float(1.001 * per_l1 * magnitudes) + floor;
+  // The watched outputs leave the lower bound (set to -inf, they are no candidate) and are recomputed after.
+  constexpr float kNone = -std::numeric_limits<float>::infinity();
+  for (int64_t id : watched) y[id] = kNone;
+  float low = kNone;
+  for (int64_t v = 0; v < N; ++v) low = std::max(low, y[v] - scale * norms[v] - flushed);
+  auto exact = [&](int64_t v) {
+    const float* w = weight + v * K;
+    float acc = 0.0f;
+    for (int64_t k = 0; k < K; ++k) acc = std::fma(x[k], w[k], acc);
+    y[v] = acc;
+  };
+  for (int64_t v = 0; v < N; ++v)
+    if (!(y[v] + scale * norms[v] + flushed < low)) exact(v);  // NaN: recomputed
+  for (int64_t id : watched) exact(id);
+}
+
+// The arguments top_exact_linear and top_exact_linear_half check alike; returns the watched ids.
+std::vector<int64_t> check_head(const char* op, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& norms,
+                                const at::Tensor& watched) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              op, ": x must be a contiguous [M, K] float32 CPU tensor");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() &&
+                  weight.size(1) == x.size(1),
+              op, ": weight must be a contiguous [N, K] float32 tensor");
+  const int64_t N = weight.size(0);
+  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == N,
+              op, ": norms must be N contiguous float32 values");
+  TORCH_CHECK(watched.scalar_type() == at::kLong && watched.dim() == 1, op, ": watched must be int64 ids");
+  std::vector<int64_t> ids(watched.data_ptr<int64_t>(), watched.data_ptr<int64_t>() + watched.numel());
+  for (int64_t id : ids) TORCH_CHECK(id >= 0 && id < N, op, ": watched id ", id, " out of range");
+  return ids;
+}
+
+// Certifies every row of y (see certify_top), the rows spread over the threads.
+void certify_rows(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& norms,
+                  const std::vector<int64_t>& ids, at::Tensor& y, double relative, double per_l1, float floor) {
+  const int64_t K = x.size(1), N = weight.size(0);
+  at::parallel_for(0, x.size(0), 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      certify_top(x.data_ptr<float>() + m * K, K, weight.data_ptr<float>(), norms.data_ptr<float>(), N, ids,
+                  y.data_ptr<float>() + m * N, relative, per_l1, floor);
+  });
+}
+
+// top_exact_linear on every build: the logits from a float16 copy of the weight packed by pack_columns (half the
+// bytes; F16C widens each step exactly), x and the sums in float32 as packed_row_linear's. Each product x[k] * w~[k]
+// differs from x[k] * w[k] by the weight's rounding to nearest float16, at most 2^-11 |w[k]| for a normal float16
+// and 2^-25 for a subnormal one, so by at most 2^-11 |x|_2 |w_v|_2 + 2^-25 |x|_1 in all (Cauchy-Schwarz); the two
+// products' K fused multiply-adds, each rounded to nearest, add at most K * 2^-24 of the sum of magnitudes each
+// (2.1 K * 2^-24 taken for both); K * 2^-120 covers the products' underflows. Weights of magnitude 65504 or more
+// have no finite float16: the caller must not pack them (hf_tidar.cpu.top_exact_head checks).
+at::Tensor top_exact_linear_half(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& weight,
+                                 const at::Tensor& norms, const at::Tensor& watched) {
+  const std::vector<int64_t> ids = check_head("top_exact_linear_half", x, weight, norms, watched);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), blocks = (N + kLanes - 1) / kLanes;
+  check_packed(packed, "weight", blocks, K, /*half_too=*/true);
+  TORCH_CHECK(packed.scalar_type() == at::kHalf, "top_exact_linear_half: packed must be the float16 weight packed "
+              "by pack_columns");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  run_product(Product<float, c10::Half>{x.data_ptr<float>(), M, K, packed.data_ptr<c10::Half>(), N, nullptr, nullptr,
+                                        nullptr, 0, M, y.data_ptr<float>()}, blocks);
+  certify_rows(x, weight, norms, ids, y, 1.0 / 2048 + 2.1 * K / 16777216.0, 1.0 / 33554432.0,
+               std::ldexp(float(K), -120));
+  return y;
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define HF_TIDAR_PACKED_BF16 1
 
@@ -1123,62 +1206,24 @@ at::Tensor pair_rows(const at::Tensor& x, const at::Tensor& packed, int64_t N, c
   return y;
 }
 
-// Logits whose top is exact, for greedy decoding of a float32 model (an LM head: N outputs, no bias): the
-// product is computed in bfloat16 from a pair-packed copy of the weight (half the bytes of the float32 sweep),
-// and then, for every output that could still be a row's largest, again exactly. The bfloat16 value of output v
-// of row x differs from the float32 dot product by at most eps_v = c * |x|_2 * |w_v|_2 (norms: |w_v|_2 rounded
-// up, given): x and w rounded to nearest bfloat16 change each product by at most 2^-7 + 2^-16 of its magnitude
-// (the products themselves are exact in float32), the K float32 additions add at most K * 2^-24 of the sum of
-// magnitudes each rounded to nearest, as vdpbf16ps and the tile unit's tdpbf16ps are specified to round, in any
-// order; the bound takes twice that (2^-23 a step: an addition rounded toward zero), so it holds whichever of the
-// two computes the product and however the tile unit orders its sums. The sum of magnitudes is at most
-// |x|_2 * |w_v|_2 (Cauchy-Schwarz). An output whose upper bound y_v + eps_v lies below the largest lower bound
-// y_u - eps_u of the row cannot be its largest; every other one (the candidates, usually 1-10 of SmolLM2's
-// 49152) is recomputed as packed_row_linear computes it (one fused multiply-add per k, in order of k, from
-// zero: the same bits), and so are the `watched` outputs, which the lower bound does not count (a processor that
-// removes them, as TiDAR's [MASK] suppression does, leaves the row's largest among the exact values). The
-// other outputs keep their bfloat16 values, each certified below the row's exact largest.
+// Logits whose top is exact, for greedy decoding of a float32 model (an LM head: N outputs, no bias), from a
+// bfloat16 copy of the weight packed as pairs (half the bytes of the float32 sweep); see certify_top. The bfloat16
+// value of output v of row x differs from the float32 dot product by at most eps_v = c * |x|_2 * |w_v|_2: x and w
+// rounded to nearest bfloat16 change each product by at most 2^-7 + 2^-16 of its magnitude (the products themselves
+// are exact in float32), the K float32 additions add at most K * 2^-24 of the sum of magnitudes each rounded to
+// nearest, as vdpbf16ps and the tile unit's tdpbf16ps are specified to round, in any order; the bound takes twice
+// that (2^-23 a step: an addition rounded toward zero), so it holds whichever of the two computes the product and
+// however the tile unit orders its sums. The sum of magnitudes is at most |x|_2 * |w_v|_2 (Cauchy-Schwarz).
 constexpr double kBf16ProductError = 1.0 / 128 + 1.0 / 65536;
-
-void certify_top(const float* x, int64_t K, const float* weight, const float* norms, int64_t N,
-                 const std::vector<int64_t>& watched, float* y) {
-  double squares = 0;
-  for (int64_t k = 0; k < K; ++k) squares += double(x[k]) * x[k];
-  // 1.001: room for the roundings of this bound's own float arithmetic.
-  const float scale = float(1.001 * (kBf16ProductError + 2.1 * K / 16777216.0) * std::sqrt(squares));
-  const float flushed = std::ldexp(float(K), -120);  // vdpbf16ps and tdpbf16ps flush subnormals to zero
-  // The watched outputs leave the lower bound (set to -inf, they are no candidate) and are recomputed after.
-  constexpr float kNone = -std::numeric_limits<float>::infinity();
-  for (int64_t id : watched) y[id] = kNone;
-  float low = kNone;
-  for (int64_t v = 0; v < N; ++v) low = std::max(low, y[v] - scale * norms[v] - flushed);
-  auto exact = [&](int64_t v) {
-    const float* w = weight + v * K;
-    float acc = 0.0f;
-    for (int64_t k = 0; k < K; ++k) acc = std::fma(x[k], w[k], acc);
-    y[v] = acc;
-  };
-  for (int64_t v = 0; v < N; ++v)
-    if (!(y[v] + scale * norms[v] + flushed < low)) exact(v);  // NaN: recomputed
-  for (int64_t id : watched) exact(id);
-}
 
 // See certify_top: x float32 [M, K], pairs the weight [N, K] packed by pack_column_pairs, weight the float32 weight
 // itself, norms [N] its rows' L2 norms rounded up, watched the ids always computed exactly.
 at::Tensor top_exact_linear(const at::Tensor& x, const at::Tensor& pairs, const at::Tensor& weight,
                             const at::Tensor& norms, const at::Tensor& watched) {
-  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu() && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "top_exact_linear: x must be a contiguous [M, K] float32 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.size(1) == K,
-              "top_exact_linear: weight must be a contiguous [N, K] float32 tensor");
-  const int64_t N = weight.size(0), steps = (K + 1) / 2, blocks = (N + kLanes - 1) / kLanes;
+  const std::vector<int64_t> ids = check_head("top_exact_linear", x, weight, norms, watched);
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), steps = (K + 1) / 2;
+  const int64_t blocks = (N + kLanes - 1) / kLanes;
   check_pairs(pairs, "weight pairs", blocks, steps);
-  TORCH_CHECK(norms.scalar_type() == at::kFloat && norms.is_contiguous() && norms.numel() == N,
-              "top_exact_linear: norms must be N contiguous float32 values");
-  TORCH_CHECK(watched.scalar_type() == at::kLong && watched.dim() == 1, "top_exact_linear: watched must be int64 ids");
-  std::vector<int64_t> ids(watched.data_ptr<int64_t>(), watched.data_ptr<int64_t>() + watched.numel());
-  for (int64_t id : ids) TORCH_CHECK(id >= 0 && id < N, "top_exact_linear: watched id ", id, " out of range");
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const std::vector<uint32_t> rounded = bfloat16_pairs(x.data_ptr<float>(), M, K);
@@ -1189,11 +1234,8 @@ at::Tensor top_exact_linear(const at::Tensor& x, const at::Tensor& pairs, const 
                                               reinterpret_cast<const uint32_t*>(pairs.data_ptr<c10::BFloat16>()), N,
                                               nullptr, nullptr, nullptr, 0, M, y.data_ptr<float>()},
                     [&](const auto& q) { run_product(q, blocks); });
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m)
-      certify_top(x.data_ptr<float>() + m * K, K, weight.data_ptr<float>(), norms.data_ptr<float>(), N, ids,
-                  y.data_ptr<float>() + m * N);
-  });
+  certify_rows(x, weight, norms, ids, y, kBf16ProductError + 2.1 * K / 16777216.0, 0.0,
+               std::ldexp(float(K), -120));  // vdpbf16ps and tdpbf16ps flush subnormals to zero
   return y;
 }
 
@@ -1313,6 +1355,8 @@ HF_TIDAR_PACKED_FRAGMENT(HF_TIDAR_KERNEL_LIBRARY, m) {
         &packed_row_linear);
   m.def("packed_gated_linear(Tensor x, Tensor packed, int N, Tensor? lora_a, Tensor? lora_b, int tail_start) -> Tensor",
         &packed_gated_linear);
+  m.def("top_exact_linear_half(Tensor x, Tensor packed, Tensor weight, Tensor norms, Tensor watched) -> Tensor",
+        &top_exact_linear_half);
 #ifdef HF_TIDAR_PACKED_BF16
   m.def("packed_row_linear_bf16_tail(Tensor x, Tensor packed, int N, Tensor? bias, Tensor? lora_a, Tensor? lora_b, "
         "int tail_start) -> Tensor",

@@ -1,12 +1,17 @@
-"""An LM head computed in bfloat16 with each row's top recomputed exactly, for greedy ``generate()`` calls.
+"""An LM head computed from a half-size copy of its weight with each row's top recomputed exactly, for greedy
+``generate()`` calls.
 
 A float32 decode step reads every weight once, and SmolLM2's head (49152 x 576, tied to its embedding) is a fifth of
-the bytes. Greedy decoding needs only each row's largest logit, so on a CPU with AVX-512 BF16
-:func:`enable_top_exact_head` gives the head a copy packed as bfloat16 pairs (half the bytes) and an operator
-(``top_exact_linear`` in ``packed_rows.cpp``) that computes all logits from it, bounds each one's distance from its
-float32 value (``|x| * |w_v|`` times the roundings' share: Cauchy-Schwarz, so the bound holds for every input), and
+the bytes. Greedy decoding needs only each row's largest logit, so :func:`enable_top_exact_head` gives the head a copy
+of half the bytes and an operator that computes all logits from it, bounds each one's distance from its float32
+value (``|x| * |w_v|`` times the roundings' share: Cauchy-Schwarz, so the bound holds for every input), and
 recomputes every logit that could still be its row's largest, with the float32 product's own bits. The row's
 argmax is then the float32 head's, bit for bit; the other logits are approximate, each below the row's exact top.
+On a CPU with AVX-512 BF16 the copy is bfloat16, packed as pairs (``top_exact_linear`` in ``packed_rows.cpp``:
+``vdpbf16ps`` or the tile unit multiplies it); on every other CPU the package's kernel runs on (AVX2 with F16C and
+up) it is float16, packed by columns and widened exactly as it is read (``top_exact_linear_half``: a finer copy, so
+fewer logits to recompute, but the multiply-adds of float32). A weight with a magnitude of 65504 or more has no
+float16 copy: there the head stays the float32 product (with a warning).
 
 That is only right where nothing but the argmax is read, so the head computes this way only inside a
 ``generate()`` call that qualifies: greedy search (no sampling, one beam), no ``output_scores`` or
@@ -22,13 +27,13 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from .kernel import packed_pair_kernel, top_exact_kernel
+from .kernel import packed_pair_kernel, packed_row_kernel, top_exact_half_kernel, top_exact_kernel
 from .packed import PackedCopy, flat_rows
 
 SAFE_PROCESSORS = ("MaskTokenSuppressor",)
@@ -41,13 +46,17 @@ ARGMAX_STRATEGIES = ("ar", "tidar")
 """Strategies that read only argmaxes in greedy search (a model with others does not get the head)."""
 
 
+FLOAT16_LIMIT = 65504.0
+"""The largest finite float16: a weight of this magnitude or more has no float16 copy."""
+
+
 class TopExactHead:
-    """One model's head state: the pair-packed copy of its weight, the norms of the weight's rows, the ids always
+    """One model's head state: the half-size copy of its weight, the norms of the weight's rows, the ids always
     computed exactly, and whether the current ``generate()`` call qualifies (``active``)."""
 
-    def __init__(self, op, pack_pairs, watched: list[int]):
+    def __init__(self, op, pack: Callable[[torch.Tensor], torch.Tensor], watched: list[int]):
         self.op = op
-        self.pairs = PackedCopy(lambda w: pack_pairs(w.to(torch.bfloat16).contiguous()))
+        self.copy = PackedCopy(pack)
         self.norms = PackedCopy(_row_norms_rounded_up)
         self.watched = torch.tensor(sorted(set(watched)), dtype=torch.long)
         self.active = False
@@ -55,8 +64,28 @@ class TopExactHead:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        out = self.op(flat_rows(x, rows), self.pairs.of(weight), weight, self.norms.of(weight), self.watched)
+        out = self.op(flat_rows(x, rows), self.copy.of(weight), weight, self.norms.of(weight), self.watched)
         return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def half_size_head() -> tuple[Callable[..., torch.Tensor], Callable[[torch.Tensor], torch.Tensor], str] | None:
+    """``(operator, pack, name of the copy's dtype)`` of the top-exact product this CPU runs: bfloat16 pairs on
+    AVX-512 BF16, float16 columns on the other builds of the packed products; ``None`` where the kernel does not
+    run."""
+    op, pairs = top_exact_kernel(), packed_pair_kernel()
+    if op is not None and pairs is not None:
+        return op, lambda w: pairs[0](w.to(torch.bfloat16).contiguous()), "bfloat16"
+    op, packer = top_exact_half_kernel(), packed_row_kernel()
+    if op is not None and packer is not None:
+        return op, functools.partial(_float16_columns, packer[0]), "float16"
+    return None
+
+
+def _float16_columns(pack_columns, weight: torch.Tensor) -> torch.Tensor:
+    if not bool(weight.abs().amax() < FLOAT16_LIMIT):  # NaN too: no float16 copy bounds it
+        raise ValueError("top_exact_head: the LM head has a weight of magnitude 65504 or more (or NaN), which float16 "
+                         "cannot hold; call hf_tidar.cpu.enable(model, top_exact_head=False) for this model.")
+    return pack_columns(weight.to(torch.float16).contiguous())
 
 
 def _row_norms_rounded_up(weight: torch.Tensor) -> torch.Tensor:
@@ -77,22 +106,25 @@ def head_forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
 
 def enable_top_exact_head(model: nn.Module) -> bool:
     """Give ``model``'s float32 LM head (no bias) the top-exact product in qualifying ``generate()`` calls (see the
-    module doc); returns whether it did. Needs the AVX-512 BF16 build; warns and does nothing elsewhere."""
-    head, op, pairs = model.get_output_embeddings(), top_exact_kernel(), packed_pair_kernel()
+    module doc); returns whether it did. Needs this package's CPU kernel (AVX2 with F16C or AVX-512); warns and does
+    nothing where it does not run, or where the head cannot have the copy."""
+    head, product = model.get_output_embeddings(), half_size_head()
     strategies = getattr(model, "supported_strategies", ("ar",))
     reason = None
-    if op is None or pairs is None:
-        reason = "it needs this package's CPU kernel built for AVX-512 BF16"
+    if product is None:
+        reason = "it needs this package's CPU kernel (AVX2 with FMA and F16C, or AVX-512)"
     elif not isinstance(head, nn.Linear) or head.bias is not None or head.weight.dtype != torch.float32:
         reason = "it needs a float32 LM head without a bias"
     elif any(s not in ARGMAX_STRATEGIES for s in strategies):
         reason = f"{type(model).__name__}'s strategies {tuple(strategies)} read whole distributions"
+    elif product[2] == "float16" and not bool(head.weight.detach().abs().amax() < FLOAT16_LIMIT):
+        reason = "its weight has a magnitude of 65504 or more (or NaN), which the float16 copy cannot hold"
     if reason is not None:
         warnings.warn(f"top_exact_head: {reason}; the head stays the float32 product.", stacklevel=3)
         return False
     disable_top_exact_head(model)  # enabled again: one wrapper, not two
     mask_id = getattr(getattr(model, "config", None), "mask_token_id", None)
-    state = TopExactHead(op, pairs[0], [] if mask_id is None else [mask_id])
+    state = TopExactHead(product[0], product[1], [] if mask_id is None else [mask_id])
     head.top_exact_head = model.top_exact_head = state
     model.generate = functools.partial(_generate_in_scope, model, model.generate)
     model._get_logits_processor = functools.partial(_processors_in_scope, model, model._get_logits_processor)
