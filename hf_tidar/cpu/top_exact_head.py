@@ -81,8 +81,13 @@ def half_size_head() -> tuple[Callable[..., torch.Tensor], Callable[[torch.Tenso
     return None
 
 
+def _float16_holds(weight: torch.Tensor) -> bool:
+    """Whether every weight has a finite float16 copy (NaN has none that the bound covers)."""
+    return bool(weight.detach().abs().amax() < FLOAT16_LIMIT)
+
+
 def _float16_columns(pack_columns, weight: torch.Tensor) -> torch.Tensor:
-    if not bool(weight.abs().amax() < FLOAT16_LIMIT):  # NaN too: no float16 copy bounds it
+    if not _float16_holds(weight):
         raise ValueError("top_exact_head: the LM head has a weight of magnitude 65504 or more (or NaN), which float16 "
                          "cannot hold; call hf_tidar.cpu.enable(model, top_exact_head=False) for this model.")
     return pack_columns(weight.to(torch.float16).contiguous())
@@ -117,7 +122,7 @@ def enable_top_exact_head(model: nn.Module) -> bool:
         reason = "it needs a float32 LM head without a bias"
     elif any(s not in ARGMAX_STRATEGIES for s in strategies):
         reason = f"{type(model).__name__}'s strategies {tuple(strategies)} read whole distributions"
-    elif product[2] == "float16" and not bool(head.weight.detach().abs().amax() < FLOAT16_LIMIT):
+    elif product[2] == "float16" and not _float16_holds(head.weight):
         reason = "its weight has a magnitude of 65504 or more (or NaN), which the float16 copy cannot hold"
     if reason is not None:
         warnings.warn(f"top_exact_head: {reason}; the head stays the float32 product.", stacklevel=3)
