@@ -65,7 +65,7 @@ class BenchConfig:
             raise ValueError("--draft-dtypes bfloat16 multiplies the [MASK] rows of a float32 model in bfloat16 on "
                              "the CPU kernel: add --cpu-linears and keep --dtype float32.")
         if self.top_exact_head and (not self.cpu_linears or self.dtype != "float32"):
-            raise ValueError("--top-exact-head computes a float32 LM head in bfloat16 with each row's top exact, on "
+            raise ValueError("--top-exact-head computes a float32 LM head from a half-size copy with each row's top exact, on "
                              "the CPU kernel: add --cpu-linears and keep --dtype float32.")
         if not self.prompts:
             raise ValueError("No prompts to run: pass --prompts FILE or a positive --per-set.")
