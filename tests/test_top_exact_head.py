@@ -96,6 +96,16 @@ def test_a_watched_id_is_exact_and_removing_it_leaves_the_exact_top_of_the_rest(
 
 
 @pytest.mark.skipif(KERNELS["float16"] is None, reason="no float16 top-exact operator here")
+def test_the_float16_operator_names_itself_when_refusing_a_float32_copy():
+    x, weight = _near_ties(2, 64, 64, seed=5, spread=SPREAD["float16"])
+    _, _, norms, watched = _operands(weight, [], "float16")
+    with pytest.raises(RuntimeError, match="top_exact_linear_half: packed must be the float16 weight"):
+        KERNELS["float16"](x, packed_row_kernel()[0](weight), weight, norms, watched)
+    with pytest.raises(RuntimeError, match="top_exact_linear_half: weight must be a contiguous"):
+        KERNELS["float16"](x, packed_row_kernel()[0](weight[:32].half().contiguous()), weight, norms, watched)
+
+
+@pytest.mark.skipif(KERNELS["float16"] is None, reason="no float16 top-exact operator here")
 def test_float16_subnormal_weights_keep_the_exact_top():
     # Weights near 2^-20 are float16 subnormals, rounded by up to 2^-25: several percent of each, far beyond the
     # 2^-11 of a normal float16. The bound's |x|_1 term must cover it.

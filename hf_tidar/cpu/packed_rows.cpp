@@ -329,10 +329,11 @@ void rows_times_blocks(const P& p, int64_t b0, int64_t b1) {
   }
 }
 
-void check_packed(const at::Tensor& t, const char* name, int64_t blocks, int64_t K, bool half_too = false) {
+void check_packed(const char* op, const at::Tensor& t, const char* name, int64_t blocks, int64_t K,
+                  bool half_too = false) {
   TORCH_CHECK(t.device().is_cpu() && (t.scalar_type() == at::kFloat || (half_too && t.scalar_type() == at::kHalf)) &&
                   t.is_contiguous() && t.dim() == 3 && t.size(0) == blocks && t.size(1) == K && t.size(2) == kLanes,
-              "packed_row_linear: ", name, " must be a contiguous ", half_too ? "float32 or float16" : "float32",
+              op, ": ", name, " must be a contiguous ", half_too ? "float32 or float16" : "float32",
               " CPU tensor of pack_columns' layout [", blocks, ", ", K, ", 16]");
 }
 
@@ -579,7 +580,7 @@ Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, 
               op, ": x must be a contiguous [M, K] float32 CPU tensor");
   Prepared p{x.size(0), x.size(1), (N + kLanes - 1) / kLanes};
   TORCH_CHECK(N > 0, op, ": N must be positive");
-  check_packed(packed, "weight", p.blocks, p.K);
+  check_packed(op, packed, "weight", p.blocks, p.K);
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
                 op, ": bias must be N contiguous float32 values");
@@ -590,7 +591,7 @@ Prepared prepare(const char* op, const at::Tensor& x, const at::Tensor& packed, 
     TORCH_CHECK(lora_b.has_value(), op, ": lora_a needs lora_b");
     p.R = lora_b->dim() == 3 ? lora_b->size(1) : 0;
     const int64_t factors = gated ? 2 : 1;
-    check_packed(*lora_b, "lora_b", p.blocks, p.R, /*half_too=*/true);
+    check_packed(op, *lora_b, "lora_b", p.blocks, p.R, /*half_too=*/true);
     check_codes(*lora_a, op, factors, p.R, p.K, /*bfloat16=*/false);
     const float* rows = x.data_ptr<float>() + p.tail * p.K;
     if (lora_a->scalar_type() == at::kHalf)  // an exact float16 factor: half its stream, the same products
@@ -707,7 +708,7 @@ at::Tensor top_exact_linear_half(const at::Tensor& x, const at::Tensor& packed, 
                                  const at::Tensor& norms, const at::Tensor& watched) {
   const std::vector<int64_t> ids = check_head("top_exact_linear_half", x, weight, norms, watched);
   const int64_t M = x.size(0), K = x.size(1), N = weight.size(0), blocks = (N + kLanes - 1) / kLanes;
-  check_packed(packed, "weight", blocks, K, /*half_too=*/true);
+  check_packed("top_exact_linear_half", packed, "weight", blocks, K, /*half_too=*/true);
   TORCH_CHECK(packed.scalar_type() == at::kHalf, "top_exact_linear_half: packed must be the float16 weight packed "
               "by pack_columns");
   at::Tensor y = at::empty({M, N}, x.options());
