@@ -222,9 +222,10 @@ def train_from_scratch(
 
 def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problems: int = 100,
                        changes: int = SHORT_CHANGES, numbered: bool = False, signed: bool = False,
-                       independent: bool = False) -> float:
+                       independent: bool = False, unordered: int = 0) -> float:
     """Accuracy of plain AR greedy decoding on held-out problems (how much the warm start knows)."""
-    _, test = split(train_count, problems, changes=changes, numbered=numbered, signed=signed, independent=independent)
+    _, test = split(train_count, problems, changes=changes, numbered=numbered, signed=signed, independent=independent,
+                    unordered=unordered)
     texts = []
     for problem in test:
         ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -264,6 +265,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--independent", action="store_true",
                         help="with --numbered --signed: every change applies to the starting amount, so a block's "
                              "steps can be written in one pass (scored on the whole solution)")
+    parser.add_argument("--unordered", type=int, default=0, metavar="STEPS",
+                        help="with --independent: the solutions' steps in random orders within each run of STEPS "
+                             "(--changes: all of them), right in any such order (many right answers, as in math "
+                             "or code); 0: in order")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -312,8 +317,12 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = task_tokenizer()
     if args.independent and not (args.numbered and args.signed):
         parser.error("--independent needs --numbered and --signed (each step finds its change by its number).")
+    if args.unordered and not args.independent:
+        parser.error("--unordered needs --independent (only independent steps can come in any order).")
+    if args.unordered < 0:
+        parser.error("--unordered is a number of steps (0: in order).")
     problems = generate_problems(seed=0, count=args.train_problems, changes=args.changes, numbered=args.numbered,
-                                 signed=args.signed, independent=args.independent)
+                                 signed=args.signed, independent=args.independent, unordered=args.unordered)
     longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) for p in problems)
     if args.gen_len < longest + 1:
         parser.error(f"--gen-len {args.gen_len} cannot hold a {longest}-token solution and its EOS; "
@@ -350,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
         timings["ar_warm_start_s"] = time.time() - start
         ar_accuracy = ar_greedy_accuracy(ar_model, tokenizer, args.train_problems, args.gen_len,
                                          changes=args.changes, numbered=args.numbered, signed=args.signed,
-                                         independent=args.independent)
+                                         independent=args.independent, unordered=args.unordered)
         print(f"ar warm start: greedy accuracy on 100 held-out problems {ar_accuracy:.2f}", flush=True)
         teacher = teacher_from_ar(ar_model, tokenizer, args.block_size, args.prompt_attention or "bidirectional")
     else:

@@ -232,6 +232,51 @@ def test_independent_problems_apply_every_change_to_the_starting_amount_and_scor
         generate_problems(0, 1, changes=4, numbered=True, independent=True)
 
 
+@pytest.mark.parametrize("run", [16, 4])
+def test_unordered_problems_are_right_in_any_order_within_each_run_with_every_step_once(run):
+    import random
+    import re
+
+    from hf_tidar.cdlm.arithmetic import is_right, split_for_run, task_tokenizer
+
+    tok = task_tokenizer()
+    args = {"train_problems": "50", "changes": "16", "numbered": "True", "signed": "True", "independent": "True",
+            "unordered": str(run)}
+    train, test = split_for_run(args, 20)
+    orders = set()
+    for problem in train + test:
+        assert problem.independent and problem.unordered == run
+        steps = re.findall(r"(\d+): (\d+)([+-]\d+)=(\d+)\.", problem.solution)
+        labels = [int(label) for label, *_ in steps]
+        for first in range(0, 16, run):  # each run holds its own steps, in some order
+            assert sorted(labels[first : first + run]) == list(range(first + 1, first + run + 1))
+        orders.add(tuple(labels))
+        last = next(result for label, _, _, result in steps if label == "16")
+        assert problem.answer == int(last) == extract_answer(problem.solution)  # change 16's result, wherever it is
+        decoded = tok.decode(tok(problem.solution, add_special_tokens=False)["input_ids"])
+        body, answer = decoded.split(" #### ")
+        written = [step + " ." for step in body.split(" .") if step.strip()]
+        assert len(written) == 16
+        runs = [written[i : i + run] for i in range(0, 16, run)]
+        for seed in range(3):  # any order within each run is right
+            shuffled = [random.Random(seed).sample(r, len(r)) for r in runs]
+            assert is_right(" ".join(step for r in shuffled for step in r) + f" #### {answer}", problem)
+        repeated = [written[0]] + written[:-1]  # one step twice, another missing
+        assert not is_right(" ".join(repeated) + f" #### {answer}", problem)
+        assert not is_right(" ".join(written[:-1]) + f" #### {answer}", problem)
+        assert not is_right(" ".join(written) + f" #### {int(answer) + 1}", problem)
+        label, left, change, result = steps[0]
+        assert not is_right(decoded.replace(f"= {result} .", f"= {int(result) + 1} .", 1), problem)
+        if run < 16:  # a step moved to another run is not right
+            moved = written[1:run] + [written[run], written[0]] + written[run + 1 :]
+            assert not is_right(" ".join(moved) + f" #### {answer}", problem)
+    assert len(orders) == len(train) + len(test)  # the training solutions show many orders
+    with pytest.raises(ValueError, match="independent=True"):
+        generate_problems(0, 1, changes=4, numbered=True, signed=True, unordered=4)
+    with pytest.raises(ValueError, match="number of steps"):
+        generate_problems(0, 1, changes=4, numbered=True, signed=True, independent=True, unordered=True)
+
+
 @pytest.mark.parametrize("numbered, signed", [(False, False), (True, False), (True, True)])
 def test_long_arithmetic_problems_have_checkable_solutions_of_at_least_128_tokens(numbered, signed):
     import re

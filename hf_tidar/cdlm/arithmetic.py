@@ -27,7 +27,12 @@ in the pass that writes step ``i``'s: about two passes a step, whatever the mode
 for each change on its own), so a block's steps can all be written in one pass: the regime of CDLM's paper,
 whose code and math answers are largely predictable in parallel. Its answer is the last step's result,
 which checks one step of many, so an independent problem is right only when its whole solution is
-(:func:`is_right`).
+(:func:`is_right`). ``unordered=n`` (with ``independent``) writes the same steps in a random order within
+each run of ``n`` (``n = changes``: the whole solution), each under its number, and is right when each run
+holds its steps once, in any order: like a math or code answer, it has many right forms, so a diffusion
+teacher trained on all of them is unsure which step comes next until it has chosen, while the answers it
+actually writes follow one order a student can learn (CDLM's regime). With 16 changes and blocks of 32
+tokens, ``unordered=4`` keeps each block's four steps and frees their order.
 """
 
 from __future__ import annotations
@@ -56,16 +61,18 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>",
 @dataclass(frozen=True)
 class Problem:
     """One word problem: ``question`` (the prompt), ``solution`` (steps and ``#### answer``), ``answer``, and
-    whether its steps are ``independent`` (each from the starting amount)."""
+    whether its steps are ``independent`` (each from the starting amount) and ``unordered`` (0: in order; ``n``:
+    right in any order within each run of ``n`` steps)."""
 
     question: str
     solution: str
     answer: int
     independent: bool = False
+    unordered: int = 0
 
 
 def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: bool = False,
-                 signed: bool = False, independent: bool = False) -> Problem:
+                 signed: bool = False, independent: bool = False, unordered: int = 0) -> Problem:
     """One random problem with ``changes`` gains or losses; every intermediate amount stays in 0..99.
 
     ``numbered``: change ``i`` is written ``i: Name loses n.`` in the question and its step ``i: a-n=b.``
@@ -73,6 +80,8 @@ def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: boo
     ``signed``: each change also states its signed amount, ``Name loses n (-n).``; the solution is unchanged.
     The random draws do not depend on either option, so the same seed gives the same problems' numbers.
     ``independent`` (with both): every change applies to the starting amount (10..90), not to the running one.
+    ``unordered`` (with ``independent``): the solution's steps in a random order within each run of that many
+    (0: in order); the answer is still change ``changes``'s result.
     """
     if not isinstance(changes, int) or changes < 1:
         raise ValueError(f"changes must be a positive integer, got {changes!r}.")
@@ -81,8 +90,13 @@ def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: boo
     if independent and not (numbered and signed):
         raise ValueError("independent problems label and sign every change (each step finds its own): pass "
                          "numbered=True and signed=True too.")
+    if isinstance(unordered, bool) or not isinstance(unordered, int) or unordered < 0:
+        raise ValueError(f"unordered is a number of steps (0: in order), got {unordered!r}.")
+    if unordered and not independent:
+        raise ValueError("unordered problems are independent ones written in any order: pass independent=True "
+                         "(with numbered=True and signed=True) too.")
     if independent:
-        return _independent_problem(rng, changes)
+        return _independent_problem(rng, changes, unordered)
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     amount = rng.randint(2, 30)
     sentences, steps = [f"{name} has {amount} {item}."], []
@@ -105,8 +119,9 @@ def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: boo
     return Problem(question, " " + " ".join(steps) + f" #### {amount}", amount)
 
 
-def _independent_problem(rng: random.Random, changes: int) -> Problem:
-    """:func:`make_problem`'s independent variant: change ``i`` applied to the starting amount alone."""
+def _independent_problem(rng: random.Random, changes: int, unordered: int = 0) -> Problem:
+    """:func:`make_problem`'s independent variant: change ``i`` applied to the starting amount alone; its steps
+    shuffled within each run of ``unordered``."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     start = rng.randint(10, MAX_AMOUNT - 9)  # every result in 1..99
     sentences, steps, result = [f"{name} has {start} {item}."], [], start
@@ -120,8 +135,14 @@ def _independent_problem(rng: random.Random, changes: int) -> Problem:
             sentences.append(f"{index}: {name} {rng.choice(GAINS).format(n=n)} (+{n}).")
             result = start + n
             steps.append(f"{index}: {start}+{n}={result}.")
+    if unordered:
+        runs = [steps[i : i + unordered] for i in range(0, changes, unordered)]
+        for run in runs:
+            rng.shuffle(run)
+        steps = [step for run in runs for step in run]
     question = " ".join(sentences) + f" How many {item} after each alone?\nA:"
-    return Problem(question, " " + " ".join(steps) + f" #### {result}", result, independent=True)
+    return Problem(question, " " + " ".join(steps) + f" #### {result}", result, independent=True,
+                   unordered=unordered)
 
 
 def task_vocabulary() -> list[str]:
@@ -154,21 +175,21 @@ def task_tokenizer():
 
 
 def generate_problems(seed: int, count: int, changes: int = SHORT_CHANGES, numbered: bool = False,
-                      signed: bool = False, independent: bool = False) -> list[Problem]:
+                      signed: bool = False, independent: bool = False, unordered: int = 0) -> list[Problem]:
     """``count`` problems from ``seed`` (the same seed always gives the same list)."""
     rng = random.Random(seed)
-    return [make_problem(rng, changes, numbered, signed, independent) for _ in range(count)]
+    return [make_problem(rng, changes, numbered, signed, independent, unordered) for _ in range(count)]
 
 
 def split(train_count: int, test_count: int, train_seed: int = 0, test_seed: int = 1,
           changes: int = SHORT_CHANGES, numbered: bool = False, signed: bool = False,
-          independent: bool = False) -> tuple[list, list]:
+          independent: bool = False, unordered: int = 0) -> tuple[list, list]:
     """Train and held-out test problems from different seeds, no test question occurring in train."""
-    train = generate_problems(train_seed, train_count, changes, numbered, signed, independent)
+    train = generate_problems(train_seed, train_count, changes, numbered, signed, independent, unordered)
     seen = {p.question for p in train}
     rng, test = random.Random(test_seed), []
     while len(test) < test_count:
-        problem = make_problem(rng, changes, numbered, signed, independent)
+        problem = make_problem(rng, changes, numbered, signed, independent, unordered)
         if problem.question not in seen:
             test.append(problem)
     return train, test
@@ -182,23 +203,41 @@ def extract_answer(text: str) -> int | None:
 
 def split_for_run(run_args: dict, test_count: int) -> tuple[list, list]:
     """The split a training run used, from its recorded arguments (``train_problems``, ``changes``,
-    ``numbered``, ``signed``, ``independent``; values may be strings, as ``examples/cdlm_arithmetic.py`` writes
-    them to JSON)."""
+    ``numbered``, ``signed``, ``independent``, ``unordered``; values may be strings, as
+    ``examples/cdlm_arithmetic.py`` writes them to JSON)."""
     changes = int(run_args.get("changes", SHORT_CHANGES))  # runs made before --changes had 2
     numbered, signed, independent = (str(run_args.get(flag, False)) == "True"
                                      for flag in ("numbered", "signed", "independent"))
+    unordered = int(run_args.get("unordered", 0))
     return split(int(run_args["train_problems"]), test_count, changes=changes, numbered=numbered, signed=signed,
-                 independent=independent)
+                 independent=independent, unordered=unordered)
 
 
 def is_right(text: str, problem: Problem) -> bool:
     """Whether a generated ``text`` solves ``problem``: its ``#### N`` answer is the problem's, and for an
     independent problem every step before it is the solution's too (compared token by token: the task
-    tokenizer decodes with spaces between tokens)."""
+    tokenizer decodes with spaces between tokens). An unordered problem's steps may come in any order within each
+    run of ``problem.unordered``, each exactly once."""
     if not problem.independent:
         return extract_answer(text) == problem.answer
-    written = _through_answer(text)
-    return written is not None and written == _through_answer(problem.solution)
+    written, solution = _through_answer(text), _through_answer(problem.solution)
+    if written is None or not problem.unordered:
+        return written == solution
+    return written[-2:] == solution[-2:] and _runs(written[:-2], problem.unordered) == _runs(solution[:-2],
+                                                                                           problem.unordered)
+
+
+def _runs(tokens: list[str], length: int) -> list[list[tuple[str, ...]]]:
+    """The steps in ``tokens`` (each ending with ``.``; an unfinished tail counts as a step), in runs of
+    ``length``, each run sorted."""
+    steps, current = [], []
+    for token in tokens:
+        current.append(token)
+        if token == ".":
+            steps.append(tuple(current))
+            current = []
+    steps += [tuple(current)] if current else []
+    return [sorted(steps[i : i + length]) for i in range(0, len(steps), length)]
 
 
 def _through_answer(text: str) -> list[str] | None:
