@@ -317,10 +317,10 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = task_tokenizer()
     if args.independent and not (args.numbered and args.signed):
         parser.error("--independent needs --numbered and --signed (each step finds its change by its number).")
-    if args.unordered and not args.independent:
-        parser.error("--unordered needs --independent (only independent steps can come in any order).")
     if args.unordered < 0:
         parser.error("--unordered is a number of steps (0: in order).")
+    if args.unordered and not args.independent:
+        parser.error("--unordered needs --independent (only independent steps can come in any order).")
     problems = generate_problems(seed=0, count=args.train_problems, changes=args.changes, numbered=args.numbered,
                                  signed=args.signed, independent=args.independent, unordered=args.unordered)
     longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) for p in problems)
