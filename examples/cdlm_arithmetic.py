@@ -222,10 +222,10 @@ def train_from_scratch(
 
 def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problems: int = 100,
                        changes: int = SHORT_CHANGES, numbered: bool = False, signed: bool = False,
-                       independent: bool = False, unordered: int = 0) -> float:
+                       independent: bool = False, unordered: int = 0, two_forms: bool = False) -> float:
     """Accuracy of plain AR greedy decoding on held-out problems (how much the warm start knows)."""
     _, test = split(train_count, problems, changes=changes, numbered=numbered, signed=signed, independent=independent,
-                    unordered=unordered)
+                    unordered=unordered, two_forms=two_forms)
     texts = []
     for problem in test:
         ids = tokenizer(problem.question, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -269,6 +269,9 @@ def main(argv: list[str] | None = None) -> dict:
                         help="with --independent: the solutions' steps in random orders within each run of STEPS "
                              "(--changes: all of them), right in any such order (many right answers, as in math "
                              "or code); 0: in order")
+    parser.add_argument("--two-forms", action="store_true",
+                        help="with --independent: each step written in a random one of its two forms (a+n=r or "
+                             "n+a=r; a-n=r or a-r=n), right in either")
     parser.add_argument("--block-size", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
@@ -321,8 +324,11 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--unordered is a number of steps (0: in order).")
     if args.unordered and not args.independent:
         parser.error("--unordered needs --independent (only independent steps can come in any order).")
+    if args.two_forms and not args.independent:
+        parser.error("--two-forms needs --independent (it spells independent steps either way).")
     problems = generate_problems(seed=0, count=args.train_problems, changes=args.changes, numbered=args.numbered,
-                                 signed=args.signed, independent=args.independent, unordered=args.unordered)
+                                 signed=args.signed, independent=args.independent, unordered=args.unordered,
+                                 two_forms=args.two_forms)
     longest = max(len(tokenizer(p.solution, add_special_tokens=False)["input_ids"]) for p in problems)
     if args.gen_len < longest + 1:
         parser.error(f"--gen-len {args.gen_len} cannot hold a {longest}-token solution and its EOS; "
@@ -359,7 +365,8 @@ def main(argv: list[str] | None = None) -> dict:
         timings["ar_warm_start_s"] = time.time() - start
         ar_accuracy = ar_greedy_accuracy(ar_model, tokenizer, args.train_problems, args.gen_len,
                                          changes=args.changes, numbered=args.numbered, signed=args.signed,
-                                         independent=args.independent, unordered=args.unordered)
+                                         independent=args.independent, unordered=args.unordered,
+                                         two_forms=args.two_forms)
         print(f"ar warm start: greedy accuracy on 100 held-out problems {ar_accuracy:.2f}", flush=True)
         teacher = teacher_from_ar(ar_model, tokenizer, args.block_size, args.prompt_attention or "bidirectional")
     else:

@@ -217,14 +217,14 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     signed = CdlmForCausalLM.from_pretrained(tmp_path / "signed" / "teacher")
     assert signed.config.get_text_config().vocab_size == vocab
     assert json.loads((tmp_path / "signed" / "pipeline.json").read_text())["args"]["signed"] == "True"
-    # The independent variant end to end, its steps in any order: warm start scored on whole solutions, teacher,
-    # trajectories, student; the run's recorded arguments give back its unordered split.
+    # The independent variant end to end, its steps in any order and either form: warm start scored on whole
+    # solutions, teacher, trajectories, student; the run's recorded arguments give back its split.
     from hf_tidar.cdlm.arithmetic import split_for_run
 
     independent = example.main(["--out", str(tmp_path / "independent"), *common, "--gen-len", "40", "--numbered",
-                                "--signed", "--independent", "--unordered", "2"])
+                                "--signed", "--independent", "--unordered", "2", "--two-forms"])
     assert independent["args"]["independent"] == "True" and 0 <= independent["ar_accuracy"] <= 1
-    assert all(p.independent and p.unordered == 2 for p in split_for_run(independent["args"], 3)[1])
+    assert all(p.independent and p.unordered == 2 and p.two_forms for p in split_for_run(independent["args"], 3)[1])
     assert (tmp_path / "independent" / "student" / "config.json").exists()
     # More diffusion training for a saved teacher: it starts from those weights, with no warm start.
     common[common.index("--ar-steps") + 1] = "0"
@@ -242,6 +242,9 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     with pytest.raises(SystemExit):  # only independent steps can come in any order
         example.main(["--out", str(tmp_path / "bad"), *common, "--gen-len", "40", "--numbered", "--signed",
                       "--unordered", "2"])
+    with pytest.raises(SystemExit):  # only independent steps have two forms
+        example.main(["--out", str(tmp_path / "bad"), *common, "--gen-len", "40", "--numbered", "--signed",
+                      "--two-forms"])
 
 
 def test_left_to_right_diagnostic_is_vanilla_decoding_in_blocks_of_one(run):

@@ -277,6 +277,67 @@ def test_unordered_problems_are_right_in_any_order_within_each_run_with_every_st
         generate_problems(0, 1, changes=4, numbered=True, signed=True, independent=True, unordered=True)
 
 
+def test_two_forms_problems_are_right_in_either_form_of_every_step_and_in_no_other():
+    import re
+
+    from hf_tidar.cdlm.arithmetic import is_right, split_for_run, task_tokenizer
+
+    tok = task_tokenizer()
+    args = {"train_problems": "50", "changes": "16", "numbered": "True", "signed": "True", "independent": "True",
+            "two_forms": "True"}
+    step = re.compile(r"(\d+) : (\d+) ([+-]) (\d+) = (\d+) \.")
+
+    def decoded_steps(problem):
+        decoded = tok.decode(tok(problem.solution, add_special_tokens=False)["input_ids"])
+        return decoded, step.findall(decoded)
+
+    def other(match, only=None):  # the step's other form (every step's, or step `only`'s)
+        label, x, op, y, z = match.groups()
+        if only is not None and label != only:
+            return match.group(0)
+        return f"{label} : {y} + {x} = {z} ." if op == "+" else f"{label} : {x} - {z} = {y} ."
+
+    train, test = split_for_run(args, 20)
+    forms = set()
+    for problem in train + test:
+        assert problem.independent and problem.two_forms
+        decoded, steps = decoded_steps(problem)
+        assert [int(label) for label, *_ in steps] == list(range(1, 17))
+        start = int(re.search(r"has (\d+)", problem.question).group(1))
+        changes = [int(n) for n in re.findall(r"\(([+-]\d+)\)", problem.question)]
+        assert problem.answer == start + changes[-1]
+        for (_, x, op, y, z), change in zip(steps, changes, strict=True):  # each step is its change, some form
+            x, y, z = int(x), int(y), int(z)
+            if op == "+":
+                assert change > 0 and {x, y} == {start, change} and z == start + change
+                forms.add(("+", x == start))
+            else:
+                assert change < 0 and x == start and {y, z} == {-change, start + change} and x - y == z
+                forms.add(("-", y == -change))
+        assert is_right(decoded, problem)
+        swapped = step.sub(other, decoded)
+        assert swapped != decoded and is_right(swapped, problem)
+        for label in ("1", "9", "16"):
+            assert is_right(step.sub(lambda m, label=label: other(m, label), decoded), problem)
+        label, x, op, y, z = steps[3]
+        wrong = decoded.replace(f"{label} : {x} {op} {y} = {z} .", f"{label} : {x} {op} {y} = {int(z) + 1} .")
+        assert wrong != decoded and not is_right(wrong, problem)
+        # A sum's operands swapped is its other form; a difference's are not a form of it.
+        flipped = decoded.replace(f"{label} : {x} {op} {y}", f"{label} : {y} {op} {x}")
+        assert is_right(flipped, problem) == (op == "+")
+        assert not is_right(decoded.replace(f"#### {problem.answer}", f"#### {problem.answer + 1}"), problem)
+    assert forms == {("+", True), ("+", False), ("-", True), ("-", False)}  # both forms of sums and differences
+    for problem in split_for_run({**args, "two_forms": "False"}, 20)[1]:  # without the option: one form
+        start = re.search(r"has (\d+)", problem.question).group(1)
+        changes = re.findall(r"\((?:[+-])(\d+)\)", problem.question)
+        assert not problem.two_forms
+        assert [(x, y) for _, x, _, y, _ in decoded_steps(problem)[1]] == [(start, n) for n in changes]
+    with pytest.raises(ValueError, match="independent=True"):
+        generate_problems(0, 1, changes=4, numbered=True, signed=True, two_forms=True)
+    with pytest.raises(ValueError, match="True or False"):
+        generate_problems(0, 1, changes=4, numbered=True, signed=True, independent=True, two_forms=1)
+
+
 @pytest.mark.parametrize("numbered, signed", [(False, False), (True, False), (True, True)])
 def test_long_arithmetic_problems_have_checkable_solutions_of_at_least_128_tokens(numbered, signed):
     import re

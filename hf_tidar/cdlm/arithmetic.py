@@ -33,6 +33,12 @@ holds its steps once, in any order: like a math or code answer, it has many righ
 teacher trained on all of them is unsure which step comes next until it has chosen, while the answers it
 actually writes follow one order a student can learn (CDLM's regime). With 16 changes and blocks of 32
 tokens, ``unordered=4`` keeps each block's four steps and frees their order.
+
+Steps in any order need a model to remember which steps it has written; a small one did not learn that.
+``two_forms=True`` (with ``independent``) frees only each step's spelling, which needs no memory: a gain is
+written ``a+n=r`` or ``n+a=r`` and a loss ``a-n=r`` or ``a-r=n``, each chosen at random, and a problem is
+right in any mix of forms. Each step has one token a teacher cannot be sure of until it commits one form (its
+partner is then certain), while the answers the teacher writes follow its own choices.
 """
 
 from __future__ import annotations
@@ -61,18 +67,21 @@ SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>",
 @dataclass(frozen=True)
 class Problem:
     """One word problem: ``question`` (the prompt), ``solution`` (steps and ``#### answer``), ``answer``, and
-    whether its steps are ``independent`` (each from the starting amount) and ``unordered`` (0: in order; ``n``:
-    right in any order within each run of ``n`` steps)."""
+    whether its steps are ``independent`` (each from the starting amount), ``unordered`` (0: in order; ``n``:
+    right in any order within each run of ``n`` steps) and right in ``two_forms`` each (``a+n=r`` or ``n+a=r``;
+    ``a-n=r`` or ``a-r=n``)."""
 
     question: str
     solution: str
     answer: int
     independent: bool = False
     unordered: int = 0
+    two_forms: bool = False
 
 
 def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: bool = False,
-                 signed: bool = False, independent: bool = False, unordered: int = 0) -> Problem:
+                 signed: bool = False, independent: bool = False, unordered: int = 0,
+                 two_forms: bool = False) -> Problem:
     """One random problem with ``changes`` gains or losses; every intermediate amount stays in 0..99.
 
     ``numbered``: change ``i`` is written ``i: Name loses n.`` in the question and its step ``i: a-n=b.``
@@ -81,7 +90,8 @@ def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: boo
     The random draws do not depend on either option, so the same seed gives the same problems' numbers.
     ``independent`` (with both): every change applies to the starting amount (10..90), not to the running one.
     ``unordered`` (with ``independent``): the solution's steps in a random order within each run of that many
-    (0: in order); the answer is still change ``changes``'s result.
+    (0: in order); the answer is still change ``changes``'s result. ``two_forms`` (with ``independent``): each
+    step in one of its two forms, chosen at random (one more draw a step, so other problems' numbers change).
     """
     if not isinstance(changes, int) or changes < 1:
         raise ValueError(f"changes must be a positive integer, got {changes!r}.")
@@ -95,8 +105,13 @@ def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: boo
     if unordered and not independent:
         raise ValueError("unordered problems are independent ones written in any order: pass independent=True "
                          "(with numbered=True and signed=True) too.")
+    if not isinstance(two_forms, bool):
+        raise ValueError(f"two_forms is True or False, got {two_forms!r}.")
+    if two_forms and not independent:
+        raise ValueError("two_forms spells independent steps either way: pass independent=True (with "
+                         "numbered=True and signed=True) too.")
     if independent:
-        return _independent_problem(rng, changes, unordered)
+        return _independent_problem(rng, changes, unordered, two_forms)
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     amount = rng.randint(2, 30)
     sentences, steps = [f"{name} has {amount} {item}."], []
@@ -119,9 +134,9 @@ def make_problem(rng: random.Random, changes: int = SHORT_CHANGES, numbered: boo
     return Problem(question, " " + " ".join(steps) + f" #### {amount}", amount)
 
 
-def _independent_problem(rng: random.Random, changes: int, unordered: int = 0) -> Problem:
+def _independent_problem(rng: random.Random, changes: int, unordered: int = 0, two_forms: bool = False) -> Problem:
     """:func:`make_problem`'s independent variant: change ``i`` applied to the starting amount alone; its steps
-    shuffled within each run of ``unordered``."""
+    shuffled within each run of ``unordered``, each in a random one of its ``two_forms``."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     start = rng.randint(10, MAX_AMOUNT - 9)  # every result in 1..99
     sentences, steps, result = [f"{name} has {start} {item}."], [], start
@@ -130,11 +145,13 @@ def _independent_problem(rng: random.Random, changes: int, unordered: int = 0) -
         if rng.random() < 0.5:
             sentences.append(f"{index}: {name} {rng.choice(LOSSES).format(n=n)} (-{n}).")
             result = start - n
-            steps.append(f"{index}: {start}-{n}={result}.")
+            swap = two_forms and rng.random() < 0.5
+            steps.append(f"{index}: {start}-{result}={n}." if swap else f"{index}: {start}-{n}={result}.")
         else:
             sentences.append(f"{index}: {name} {rng.choice(GAINS).format(n=n)} (+{n}).")
             result = start + n
-            steps.append(f"{index}: {start}+{n}={result}.")
+            swap = two_forms and rng.random() < 0.5
+            steps.append(f"{index}: {n}+{start}={result}." if swap else f"{index}: {start}+{n}={result}.")
     if unordered:
         runs = [steps[i : i + unordered] for i in range(0, changes, unordered)]
         for run in runs:
@@ -142,7 +159,7 @@ def _independent_problem(rng: random.Random, changes: int, unordered: int = 0) -
         steps = [step for run in runs for step in run]
     question = " ".join(sentences) + f" How many {item} after each alone?\nA:"
     return Problem(question, " " + " ".join(steps) + f" #### {result}", result, independent=True,
-                   unordered=unordered)
+                   unordered=unordered, two_forms=two_forms)
 
 
 def task_vocabulary() -> list[str]:
@@ -175,21 +192,22 @@ def task_tokenizer():
 
 
 def generate_problems(seed: int, count: int, changes: int = SHORT_CHANGES, numbered: bool = False,
-                      signed: bool = False, independent: bool = False, unordered: int = 0) -> list[Problem]:
+                      signed: bool = False, independent: bool = False, unordered: int = 0,
+                      two_forms: bool = False) -> list[Problem]:
     """``count`` problems from ``seed`` (the same seed always gives the same list)."""
     rng = random.Random(seed)
-    return [make_problem(rng, changes, numbered, signed, independent, unordered) for _ in range(count)]
+    return [make_problem(rng, changes, numbered, signed, independent, unordered, two_forms) for _ in range(count)]
 
 
 def split(train_count: int, test_count: int, train_seed: int = 0, test_seed: int = 1,
           changes: int = SHORT_CHANGES, numbered: bool = False, signed: bool = False,
-          independent: bool = False, unordered: int = 0) -> tuple[list, list]:
+          independent: bool = False, unordered: int = 0, two_forms: bool = False) -> tuple[list, list]:
     """Train and held-out test problems from different seeds, no test question occurring in train."""
-    train = generate_problems(train_seed, train_count, changes, numbered, signed, independent, unordered)
+    train = generate_problems(train_seed, train_count, changes, numbered, signed, independent, unordered, two_forms)
     seen = {p.question for p in train}
     rng, test = random.Random(test_seed), []
     while len(test) < test_count:
-        problem = make_problem(rng, changes, numbered, signed, independent, unordered)
+        problem = make_problem(rng, changes, numbered, signed, independent, unordered, two_forms)
         if problem.question not in seen:
             test.append(problem)
     return train, test
@@ -203,24 +221,26 @@ def extract_answer(text: str) -> int | None:
 
 def split_for_run(run_args: dict, test_count: int) -> tuple[list, list]:
     """The split a training run used, from its recorded arguments (``train_problems``, ``changes``,
-    ``numbered``, ``signed``, ``independent``, ``unordered``; values may be strings, as
+    ``numbered``, ``signed``, ``independent``, ``unordered``, ``two_forms``; values may be strings, as
     ``examples/cdlm_arithmetic.py`` writes them to JSON)."""
     changes = int(run_args.get("changes", SHORT_CHANGES))  # runs made before --changes had 2
-    numbered, signed, independent = (str(run_args.get(flag, False)) == "True"
-                                     for flag in ("numbered", "signed", "independent"))
+    numbered, signed, independent, two_forms = (str(run_args.get(flag, False)) == "True"
+                                                for flag in ("numbered", "signed", "independent", "two_forms"))
     unordered = int(run_args.get("unordered", 0))
     return split(int(run_args["train_problems"]), test_count, changes=changes, numbered=numbered, signed=signed,
-                 independent=independent, unordered=unordered)
+                 independent=independent, unordered=unordered, two_forms=two_forms)
 
 
 def is_right(text: str, problem: Problem) -> bool:
     """Whether a generated ``text`` solves ``problem``: its ``#### N`` answer is the problem's, and for an
     independent problem every step before it is the solution's too (compared token by token: the task
     tokenizer decodes with spaces between tokens). An unordered problem's steps may come in any order within each
-    run of ``problem.unordered``, each exactly once."""
+    run of ``problem.unordered``, each exactly once; a two-forms problem's steps may each take either form."""
     if not problem.independent:
         return extract_answer(text) == problem.answer
     written, solution = _through_answer(text), _through_answer(problem.solution)
+    if written is not None and problem.two_forms:
+        written, solution = _one_form(written), _one_form(solution)
     if written is None or not problem.unordered:
         return written == solution
     return written[-2:] == solution[-2:] and _runs(written[:-2], problem.unordered) == _runs(solution[:-2],
@@ -238,6 +258,26 @@ def _runs(tokens: list[str], length: int) -> list[list[tuple[str, ...]]]:
             current = []
     steps += [tuple(current)] if current else []
     return [sorted(steps[i : i + length]) for i in range(0, len(steps), length)]
+
+
+def _one_form(tokens: list[str]) -> list[str]:
+    """``tokens`` with every well-formed step ``i : x op y = z .`` in one form of its two: a sum's larger operand
+    first (the starting amount is at least 10, a change at most 9); a difference's smaller subtrahend first."""
+    tokens, out = list(tokens), []
+    while tokens:
+        step = tokens[:8]
+        if (len(step) == 8 and step[1] == ":" and step[3] in "+-" and step[5] == "=" and step[7] == "."
+                and all(t.isdigit() for t in step[2:7:2])):
+            x, y, z = (int(t) for t in step[2:7:2])
+            if step[3] == "+":
+                x, y = max(x, y), min(x, y)
+            else:
+                y, z = min(y, z), max(y, z)
+            out += [step[0], ":", str(x), step[3], str(y), "=", str(z), "."]
+            del tokens[:8]
+        else:
+            out.append(tokens.pop(0))
+    return out
 
 
 def _through_answer(text: str) -> list[str] | None:
