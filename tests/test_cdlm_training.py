@@ -327,6 +327,14 @@ def test_two_forms_problems_are_right_in_either_form_of_every_step_and_in_no_oth
         assert is_right(flipped, problem) == (op == "+")
         assert not is_right(decoded.replace(f"#### {problem.answer}", f"#### {problem.answer + 1}"), problem)
     assert forms == {("+", True), ("+", False), ("-", True), ("-", False)}  # both forms of sums and differences
+    for problem in split_for_run({**args, "unordered": "4"}, 5)[1]:  # with unordered: either form, any order in runs
+        decoded, steps = decoded_steps(problem)
+        body, answer = step.sub(other, decoded).split(" #### ")
+        written = [s + " ." for s in body.split(" .") if s.strip()]
+        runs = [written[i : i + 4][::-1] for i in range(0, 16, 4)]
+        assert is_right(" ".join(s for r in runs for s in r) + f" #### {answer}", problem)
+        moved = written[1:4] + [written[4], written[0]] + written[5:]
+        assert not is_right(" ".join(moved) + f" #### {answer}", problem)
     for problem in split_for_run({**args, "two_forms": "False"}, 20)[1]:  # without the option: one form
         start = re.search(r"has (\d+)", problem.question).group(1)
         changes = re.findall(r"\((?:[+-])(\d+)\)", problem.question)
