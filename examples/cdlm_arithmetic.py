@@ -373,6 +373,9 @@ def main(argv: list[str] | None = None) -> dict:
         teacher = new_teacher(tokenizer, args.block_size, args.hidden, args.layers, max_positions,
                               args.prompt_attention or "bidirectional")
     teacher.config.attention_mode = args.teacher_attention  # read at every forward: training and saving
+    # The arguments now, so the benchmarks can rebuild the split and score the teacher of a run stopped later.
+    run_args = {k: str(v) for k, v in vars(args).items()}
+    (args.out / "pipeline.json").write_text(json.dumps({"args": run_args, "finished": False}, indent=1))
     start = time.time()
     teacher_losses = train_from_scratch(
         teacher, DLM_LOSSES[args.teacher_masking], tokenizer, problems, args.gen_len, args.teacher_steps,
@@ -399,7 +402,7 @@ def main(argv: list[str] | None = None) -> dict:
     student.save_pretrained(args.out / "student")
     tokenizer.save_pretrained(args.out / "student")
     timings["distillation_s"] = time.time() - start
-    summary = {"args": {k: str(v) for k, v in vars(args).items()}, "timings": timings,
+    summary = {"args": run_args, "finished": True, "timings": timings,
                "ar_losses": ar_losses, "ar_accuracy": ar_accuracy, "teacher_losses": teacher_losses, "student_log": log}
     (args.out / "pipeline.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(timings, indent=1))

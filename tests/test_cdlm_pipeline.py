@@ -37,6 +37,7 @@ def run(tmp_path_factory) -> Path:
 
 def test_example_saves_teacher_student_and_log(run):
     summary = json.loads((run / "pipeline.json").read_text())
+    assert summary["finished"] and summary["args"]["trajectory_prompts"] == "8"
     assert (run / "ar" / "config.json").exists()  # the warm start, for --ar-from
     assert {"ar_warm_start_s", "teacher_training_s", "trajectories_s", "distillation_s"} <= set(summary["timings"])
     assert 0.0 <= summary["ar_accuracy"] <= 1.0
@@ -371,3 +372,22 @@ def test_accuracy_benchmark_paired_test_and_bad_arguments(run):
         script.main([f"{run}:teacher:fast"])  # not a decoder
     with pytest.raises(SystemExit):
         script.main([f"{run}:nothing:cdlm"])  # no such model folder
+
+
+def test_a_run_stopped_after_its_teacher_has_its_arguments_and_its_teacher_can_be_scored(tmp_path, monkeypatch):
+    example = load_script("examples/cdlm_arithmetic.py")
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt  # as if the run were stopped while it collects trajectories
+
+    monkeypatch.setattr(example, "collect_trajectories", stop)
+    out = tmp_path / "stopped"
+    with pytest.raises(KeyboardInterrupt):
+        example.main(["--out", str(out), "--train-problems", "50", "--hidden", "32", "--layers", "1",
+                      "--ar-steps", "0", "--teacher-steps", "2", "--teacher-batch", "4", "--changes", "4",
+                      "--gen-len", "32", "--block-size", "8"])
+    recorded = json.loads((out / "pipeline.json").read_text())
+    assert recorded["finished"] is False and recorded["args"]["changes"] == "4"
+    assert not (out / "student").exists()
+    scores = load_script("benchmarks/cdlm_accuracy.py").main([f"{out}:teacher:threshold", "--problems", "2"])
+    assert len(scores[f"{out}:teacher:threshold"]["right"]) == 2
