@@ -58,7 +58,7 @@ def answers_right(run: Path, model_name: str, decoder: str, problems: int, thres
     """Decode the run's first ``problems`` held-out (or, ``train``, training) problems one at a time, with the
     timed benchmark's loop.
 
-    Returns ``right`` (per problem) and ``passes`` (forward passes per problem).
+    Returns ``right`` (per problem), ``passes`` (forward passes per problem) and ``texts`` (the decoded answers).
     """
     args = json.loads((run / "pipeline.json").read_text())["args"]
     train_set, test = split_for_run(args, problems)
@@ -70,7 +70,7 @@ def answers_right(run: Path, model_name: str, decoder: str, problems: int, thres
         kwargs = {"threshold": threshold, **DECODERS[decoder]}  # vanilla's own threshold (None) wins
         decoded = evaluate(model, tokenizer, chosen, int(args["gen_len"]), **kwargs)
     right = [is_right(text, problem) for text, problem in zip(decoded["texts"], chosen, strict=True)]
-    return {"right": right, "passes": decoded["passes"]}
+    return {"right": right, "passes": decoded["passes"], "texts": decoded["texts"]}
 
 
 def mcnemar(first: list[bool], other: list[bool]) -> tuple[int, int, float]:

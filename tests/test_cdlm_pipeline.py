@@ -360,6 +360,7 @@ def test_accuracy_benchmark_scores_each_problem_and_compares_rows_pair_by_pair(r
     timed = bench.evaluate(model, tokenizer, test, int(run_args["gen_len"]), strategy="cdlm", threshold=0.9)
     assert timed["accuracy"] == sum(student["right"]) / 4
     assert timed["forward_passes_per_problem"] == sum(student["passes"]) / 4
+    assert timed["texts"] == student["texts"]
 
 
 def test_accuracy_benchmark_paired_test_and_bad_arguments(run):
