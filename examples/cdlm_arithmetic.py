@@ -39,6 +39,7 @@ from hf_tidar.cdlm.arithmetic import (
 from hf_tidar.cdlm.configuration import PROMPT_ATTENTION
 from hf_tidar.cdlm.training import (
     DEFAULT_LOSS_WEIGHTS,
+    DLM_TARGETS,
     cdlm_training_arguments,
     distillation_trainer,
     lora_student,
@@ -235,7 +236,7 @@ def ar_greedy_accuracy(model, tokenizer, train_count: int, gen_len: int, problem
 
 
 def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_size: int, lr: float, rank: int,
-           start_from=None, loss_weights=DEFAULT_LOSS_WEIGHTS):
+           start_from=None, loss_weights=DEFAULT_LOSS_WEIGHTS, dlm_targets: str = "ground_truth"):
     """Distil the block-causal student with ``CdlmTrainer``; returns the merged student and the log.
 
     The student starts from the teacher's weights, or from ``start_from`` (a diffusion LM of the same shape,
@@ -243,7 +244,8 @@ def distil(teacher, tokenizer, trajectories, out_dir: Path, steps: int, batch_si
     """
     student = lora_student(teacher if start_from is None else start_from, rank=rank, alpha=2 * rank)
     args = cdlm_training_arguments(out_dir / "trainer", steps, batch_size, lr, use_cpu=True)
-    trainer = distillation_trainer(student, teacher, tokenizer, trajectories, args, loss_weights=loss_weights)
+    trainer = distillation_trainer(student, teacher, tokenizer, trajectories, args, loss_weights=loss_weights,
+                                   dlm_targets=dlm_targets)
     trainer.train()
     merged = student.merge_and_unload()
     return merged, trainer.state.log_history
@@ -310,6 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--loss-weights", type=float, nargs=3, default=DEFAULT_LOSS_WEIGHTS,
                         metavar=("DISTILLATION", "CONSISTENCY", "DLM"),
                         help="CdlmTrainer's loss weights (default %(default)s); the DLM loss is on the ground truth")
+    parser.add_argument("--student-dlm-targets", choices=DLM_TARGETS, default="ground_truth",
+                        help="what the student's DLM loss reconstructs: the problems' solutions, or the tokens the "
+                             "teacher decoded in its trajectories (one choice where a task allows several)")
     parser.add_argument("--threads", type=int, default=1, help="1 avoids OpenMP stalls on a busy CPU")
     args = parser.parse_args(argv)
     if min(args.ar_steps, args.teacher_steps) < 0:
@@ -396,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     student, log = distil(
         teacher, tokenizer, trajectories, args.out, args.student_steps, args.student_batch, args.student_lr,
         args.lora_rank, None if args.student_from is None else CdlmForCausalLM.from_pretrained(args.student_from),
-        tuple(args.loss_weights),
+        tuple(args.loss_weights), args.student_dlm_targets,
     )
     student.generation_config = teacher.generation_config
     student.save_pretrained(args.out / "student")

@@ -223,8 +223,10 @@ def test_example_trains_the_long_variant_and_refuses_a_short_canvas(tmp_path):
     from hf_tidar.cdlm.arithmetic import split_for_run
 
     independent = example.main(["--out", str(tmp_path / "independent"), *common, "--gen-len", "40", "--numbered",
-                                "--signed", "--independent", "--unordered", "2", "--two-forms"])
+                                "--signed", "--independent", "--unordered", "2", "--two-forms",
+                                "--student-dlm-targets", "trajectory"])
     assert independent["args"]["independent"] == "True" and 0 <= independent["ar_accuracy"] <= 1
+    assert independent["args"]["student_dlm_targets"] == "trajectory"
     assert all(p.independent and p.unordered == 2 and p.two_forms for p in split_for_run(independent["args"], 3)[1])
     assert (tmp_path / "independent" / "student" / "config.json").exists()
     # More diffusion training for a saved teacher: it starts from those weights, with no warm start.

@@ -100,6 +100,23 @@ def test_collator_partitions_the_masked_positions(trajectories, tokenizer):
     assert torch.equal(revealed_later, distill)
 
 
+def test_the_dlm_loss_reconstructs_the_solutions_or_the_teachers_own_tokens(teacher, tokenizer, tmp_path):
+    asked = prompts(tokenizer, 4)
+    truths = [[tokenizer.mask_token_id - 1 - i] * 8 for i in range(4)]  # never what this teacher decodes
+    rows = traj.collect_trajectories(teacher, asked, tmp_path, tokenizer, 8, targets=truths, batch_size=4)
+    for dlm_targets, source in (("ground_truth", lambda r: r["target_ids"]), ("trajectory", lambda r: r["output_ids"])):
+        batch = collate(rows, tokenizer, dlm_targets=dlm_targets)
+        for i, row in enumerate(rows):
+            labels = batch["dlm_labels"][i]
+            where = (labels != -100).nonzero().flatten()
+            assert where.numel() > 0
+            expected = torch.tensor(source(row))[where - len(row["prompt_ids"])]
+            assert torch.equal(labels[where], expected), dlm_targets
+    assert rows[0]["output_ids"] != rows[0]["target_ids"]
+    with pytest.raises(ValueError, match="dlm_targets"):
+        CdlmCollator(tokenizer.mask_token_id, BLOCK, tokenizer.pad_token_id, dlm_targets="teacher")
+
+
 def test_losses_finite_nonzero_and_zero_where_they_should_be(teacher, trajectories, tokenizer, tmp_path):
     student = CdlmForCausalLM.from_dlm(teacher)  # block-causal: differs from the bidirectional teacher
     losses = cdlm_losses(student, collate(trajectories, tokenizer), teacher.lm_head)

@@ -34,6 +34,9 @@ DEFAULT_LOSS_WEIGHTS = (1.0, 0.5, 0.01)
 
 LOSS_NAMES = ("distillation_loss", "consistency_loss", "dlm_loss")
 
+DLM_TARGETS = ("ground_truth", "trajectory")
+"""What :class:`CdlmCollator`'s DLM loss reconstructs (its ``dlm_targets``)."""
+
 
 def _right_pad(rows: Sequence[torch.Tensor], value: float) -> torch.Tensor:
     width = max(r.shape[0] for r in rows)
@@ -55,6 +58,11 @@ class CdlmCollator:
         max_jump: if set, ``y*`` reveals at most this many more tokens than ``y`` (``1``: the teacher's
             next step, for which a student equal to the teacher has zero distillation loss).
         completion_only: ``y*`` is always the completed block (then only distillation applies).
+        dlm_targets: what the DLM loss reconstructs: ``"ground_truth"`` (a row's ``target_ids`` where the
+            trajectories stored them, else its output) or ``"trajectory"`` (the tokens the teacher decoded).
+            Where a task has several right answers, the teacher's distribution at a choice is spread over them,
+            and the distillation loss keeps it spread; hard labels of the teacher's own choices teach the
+            student to commit to one.
     """
 
     mask_token_id: int
@@ -63,8 +71,11 @@ class CdlmCollator:
     seed: int = 0
     max_jump: int | None = None
     completion_only: bool = False
+    dlm_targets: str = "ground_truth"
 
     def __post_init__(self) -> None:
+        if self.dlm_targets not in DLM_TARGETS:
+            raise ValueError(f"dlm_targets={self.dlm_targets!r}: expected one of {DLM_TARGETS}.")
         self.rng = random.Random(self.seed)
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
@@ -91,7 +102,8 @@ class CdlmCollator:
             seqs["consist"].append(torch.cat([pad, rank >= s_star]))
             seqs["hidden"].append(torch.cat([torch.zeros(context, hidden.shape[-1]), hidden[start:end]]))
             prompts.append(len(prompt))
-            dlm_ids, labels, weight = self._dlm_sample(prompt, list(row.get("target_ids") or output))
+            truth = output if self.dlm_targets == "trajectory" else list(row.get("target_ids") or output)
+            dlm_ids, labels, weight = self._dlm_sample(prompt, truth)
             seqs["dlm"].append(dlm_ids)
             seqs["labels"].append(labels)
             weights.append(weight)
@@ -260,12 +272,15 @@ def cdlm_training_arguments(output_dir: str | Path, steps: int, batch_size: int,
 
 
 def distillation_trainer(student, teacher, tokenizer, trajectories, args: TrainingArguments,
-                         loss_weights=DEFAULT_LOSS_WEIGHTS, callbacks=None) -> CdlmTrainer:
+                         loss_weights=DEFAULT_LOSS_WEIGHTS, callbacks=None,
+                         dlm_targets: str = "ground_truth") -> CdlmTrainer:
     """A :class:`CdlmTrainer` that distils ``teacher`` into ``student`` (:func:`lora_student`'s, from the teacher or
     from another model of its shape) on ``trajectories`` (the teacher's, :func:`~hf_tidar.cdlm.load_trajectories`):
-    batches from a :class:`CdlmCollator` with the tokenizer's ``[MASK]`` and padding ids and the teacher's block
-    size, targets from a frozen copy of the teacher's own LM head (whatever the student started from)."""
-    collator = CdlmCollator(tokenizer.mask_token_id, teacher.config.block_size, tokenizer.pad_token_id)
+    batches from a :class:`CdlmCollator` with the tokenizer's ``[MASK]`` and padding ids, the teacher's block
+    size and ``dlm_targets``, targets from a frozen copy of the teacher's own LM head (whatever the student started
+    from)."""
+    collator = CdlmCollator(tokenizer.mask_token_id, teacher.config.block_size, tokenizer.pad_token_id,
+                            dlm_targets=dlm_targets)
     return CdlmTrainer(model=student, args=args, train_dataset=trajectories, data_collator=collator,
                        teacher_head=copy.deepcopy(teacher.get_output_embeddings()), loss_weights=loss_weights,
                        callbacks=callbacks)
