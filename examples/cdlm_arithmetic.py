@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--loss-weights", type=float, nargs=3, default=DEFAULT_LOSS_WEIGHTS,
                         metavar=("DISTILLATION", "CONSISTENCY", "DLM"),
-                        help="CdlmTrainer's loss weights (default %(default)s); the DLM loss is on the ground truth")
+                        help="CdlmTrainer's loss weights (default %(default)s); the DLM loss's targets: --student-dlm-targets")
     parser.add_argument("--student-dlm-targets", choices=DLM_TARGETS, default="ground_truth",
                         help="what the student's DLM loss reconstructs: the problems' solutions, or the tokens the "
                              "teacher decoded in its trajectories (one choice where a task allows several)")
